@@ -1,0 +1,1 @@
+"""Gymnasium environments over rlbatch engines (the env/guard issue fills this package)."""

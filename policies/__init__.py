@@ -1,0 +1,1 @@
+"""Controllers built on the rlbatch core: rule baselines and PPO (later issues fill this)."""

@@ -1,0 +1,5 @@
+"""``python -m rlbatch``: see ``rlbatch.cli``."""
+
+from rlbatch.cli import main
+
+raise SystemExit(main())

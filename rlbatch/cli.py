@@ -1,0 +1,257 @@
+"""Command line: ``python -m rlbatch {evaluate,simulate,profile-check}``.
+
+The contract (DESIGN.md) other tools rely on:
+
+* ``evaluate --trace FILE... --controllers static:16,playbook --gpu a100-80g --model llama-2-7b
+  --rate-scale 1,2 --json OUT``: one JSON row per (controller, trace, rate_scale);
+* ``simulate --trace FILE --controller static:16 --json OUT``: one run, same row fields;
+* ``profile-check --gpu a100-80g FILE.csv... --json OUT``: step-time model vs measured timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from rlbatch.admission import AdmissionConfig
+from rlbatch.buckets import Buckets
+from rlbatch.control import SLA, DeploymentStats, controller_specs, make_controller
+from rlbatch.deployment import DeploymentSpec, parse_pools
+from rlbatch.report import format_buckets, format_table, write_json
+from rlbatch.runner import run
+from rlbatch.workload import Workload, build_workload, load_trace, resolve_workload
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") \
+            from None
+    if not values or any(not v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
+def _window(text: str) -> tuple[float, float]:
+    start, sep, end = text.partition(":")
+    try:
+        lo, hi = float(start or 0), float(end)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"window must be START:END in seconds, got {text!r}") \
+            from None
+    if not sep or hi <= lo or lo < 0:
+        raise argparse.ArgumentTypeError(f"window must be START:END with 0 <= START < END, "
+                                         f"got {text!r}")
+    return lo, hi
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("deployment")
+    g.add_argument("--gpu", default="a100-80g",
+                   help="GPU profile name or JSON file (a100-80g, h100-80g, h200-141g)")
+    g.add_argument("--model", default="llama-2-7b",
+                   help="model profile name or JSON file (llama-2-7b, llama-3.1-8b, "
+                        "llama-2-70b, deepseek-v3)")
+    g.add_argument("--pools", default="fp16", type=parse_pools,
+                   help="pools and engines per pool, e.g. fp16 or fp16:1,fp8:1 (default fp16)")
+    g.add_argument("--tp", type=int, default=None, help="tensor parallel degree "
+                   "(default: the model profile's)")
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help="engine max_num_seqs (default: vLLM's default for the GPU)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="engine token budget per iteration (default: vLLM's for the GPU)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt+output accepted (default: the model's context)")
+    g.add_argument("--over-length", choices=("reject", "truncate"), default="reject",
+                   help="requests longer than max-model-len: reject (vLLM) or truncate the "
+                        "prompt; either way counted")
+    g.add_argument("--max-queue-len", type=int, default=None,
+                   help="per-bucket admission queue bound (default unbounded)")
+    g.add_argument("--buckets", type=Buckets.parse, default=Buckets(),
+                   help="prompt-length bucket edges in tokens (default 1024,2048,4096)")
+    g.add_argument("--no-event-skipping", action="store_true",
+                   help="step every iteration (same results, slower; for checking)")
+    s = p.add_argument_group("control and SLA")
+    s.add_argument("--tick-s", type=float, default=1.0, help="control interval (engine s)")
+    s.add_argument("--sla-ttft-s", type=float, default=2.0, help="TTFT limit per request")
+    s.add_argument("--sla-tpot-s", type=float, default=0.1, help="TPOT limit per request")
+    s.add_argument("--drain-s", type=float, default=600.0,
+                   help="how long after the last arrival a run may go on; what is left "
+                        "counts as unfinished")
+    w = p.add_argument_group("workload")
+    w.add_argument("--window", type=_window, default=None, metavar="START:END",
+                   help="use only arrivals in [START, END) seconds of the trace")
+    w.add_argument("--max-requests", type=int, default=None, help="first N requests only")
+    w.add_argument("--seed", type=int, default=0, help="seed for generators and jitter")
+
+
+def _spec(args: argparse.Namespace) -> DeploymentSpec:
+    return DeploymentSpec(
+        gpu=args.gpu, model=args.model, pools=args.pools, tp=args.tp,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+        buckets=args.buckets,
+        admission=AdmissionConfig(over_length=args.over_length,
+                                  max_queue_len=args.max_queue_len),
+        event_skipping=not args.no_event_skipping,
+        sla=SLA(ttft_s=args.sla_ttft_s, tpot_s=args.sla_tpot_s), tick_s=args.tick_s)
+
+
+@dataclass(frozen=True)
+class _Job:
+    controller: str
+    trace: str
+    rate_scale: float
+    spec: DeploymentSpec
+    window: tuple[float, float] | None
+    max_requests: int | None
+    seed: int
+    drain_s: float
+
+
+def _load(job: _Job) -> Workload:
+    """A trace file (with window / max-requests) or a generator spec, at the job's rate."""
+    if Path(job.trace).exists():
+        return load_trace(job.trace, rate_scale=job.rate_scale, window_s=job.window,
+                          max_requests=job.max_requests, seed=job.seed)
+    if job.window is not None:
+        raise ValueError(f"--window applies to trace files, not to generator {job.trace!r}")
+    workload = resolve_workload(job.trace, job.seed, rate_scale=job.rate_scale)
+    if job.max_requests is not None and job.max_requests < len(workload):
+        rows = [(r.arrival_s, r.prompt_tokens, r.max_output_tokens, r.prefix_ids)
+                for r in workload.requests[:job.max_requests]]
+        workload = build_workload(rows, name=workload.name, source=workload.source,
+                                  transforms=(*workload.transforms,
+                                              f"first {job.max_requests} requests"))
+    return workload
+
+
+def _run_job(job: _Job, bar: tqdm[Any] | None = None) -> dict[str, Any]:
+    workload = _load(job)
+    controller = make_controller(job.controller)
+
+    def on_tick(stats: DeploymentStats) -> None:
+        if bar is not None:
+            bar.update(stats.tick_s)
+
+    result = run(workload, controller, job.spec, drain_s=job.drain_s,
+                 on_tick=on_tick if bar is not None else None, rate_scale=job.rate_scale)
+    result.row["trace"] = workload.name
+    result.row["skipped_rows"] = workload.skipped_rows
+    return result.row
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    names = controller_specs(args.controllers)
+    for name in names:  # fail fast on a bad name, before any run
+        make_controller(name)
+    spec = _spec(args)
+    jobs = [_Job(c, t, r, spec, args.window, args.max_requests, args.seed, args.drain_s)
+            for t in args.trace for r in args.rate_scale for c in names]
+    # Load each workload once up front: bad files fail before minutes of simulation.
+    for trace in args.trace:
+        for r in args.rate_scale:
+            _load(_Job(names[0], trace, r, spec, args.window, args.max_requests, args.seed,
+                       args.drain_s))
+    rows: list[dict[str, Any]] = []
+    if args.jobs > 1 and len(jobs) > 1:
+        with ProcessPoolExecutor(max_workers=args.jobs) as pool, \
+                tqdm(total=len(jobs), unit="run", desc="evaluate", file=sys.stderr,
+                     disable=args.quiet) as bar:
+            for row in pool.map(_run_job, jobs):
+                rows.append(row)
+                bar.update(1)
+    else:
+        for job in tqdm(jobs, unit="run", desc="evaluate", file=sys.stderr,
+                        disable=args.quiet):
+            rows.append(_run_job(job))
+    print(format_table(rows))
+    if args.json:
+        write_json(Path(args.json), rows)
+        print(f"\nwrote {len(rows)} rows to {args.json}")
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    make_controller(args.controller)
+    job = _Job(args.controller, args.trace, args.rate_scale, _spec(args), args.window,
+               args.max_requests, args.seed, args.drain_s)
+    workload = _load(job)
+    with tqdm(total=round(workload.duration_s, 1), unit="sim-s", desc=workload.name,
+              file=sys.stderr, disable=args.quiet) as bar:
+        row = _run_job(job, bar)
+    print(format_table([row]))
+    print()
+    print(format_buckets(row))
+    print(f"\nsimulated {row['sim_seconds']:.0f} s in {row['wall_seconds']:.2f} s wall "
+          f"({row['speedup_x']:.0f}x real time)")
+    if args.json:
+        write_json(Path(args.json), row)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rlbatch",
+        description="rlbatch: batch-size control for LLM serving on vLLM. Simulate and "
+                    "evaluate controllers on real traces.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    ev = sub.add_parser(
+        "evaluate", help="compare controllers on traces at several rate scales",
+        description="Run every controller on every trace at every rate scale on the "
+                    "simulator; print a table and write one JSON row per run.")
+    ev.add_argument("--trace", nargs="+", required=True,
+                    help="trace files (Azure CSV / Mooncake JSONL) or generator specs "
+                         "(poisson:rate=5,duration=600,mix=night)")
+    ev.add_argument("--controllers", default="static:{4,8,16,32},vllm-default",
+                    help="comma-separated controllers; static:{8,16} expands "
+                         "(default static:{4,8,16,32},vllm-default)")
+    ev.add_argument("--rate-scale", type=_floats, default=[1.0],
+                    help="comma-separated time-compression factors (2 = twice the rate)")
+    ev.add_argument("--json", default=None, help="write the rows to this JSON file")
+    ev.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes)")
+    ev.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_run_options(ev)
+    ev.set_defaults(func=cmd_evaluate)
+
+    si = sub.add_parser("simulate", help="one controller on one trace",
+                        description="Simulate one run and print its row and per-bucket "
+                                    "figures.")
+    si.add_argument("--trace", required=True, help="trace file or generator spec")
+    si.add_argument("--controller", default="static:16", help="controller (default static:16)")
+    si.add_argument("--rate-scale", type=float, default=1.0, help="time-compression factor")
+    si.add_argument("--json", default=None, help="write the row to this JSON file")
+    si.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_run_options(si)
+    si.set_defaults(func=cmd_simulate)
+
+    from rlbatch.profiles import check as profile_check_mod
+
+    pc = sub.add_parser("profile-check", help="step-time model vs measured layer timings",
+                        description="Predict the per-layer time of the linear ops for every "
+                                    "row of vidur-format profiling CSVs and report the error.")
+    profile_check_mod.add_arguments(pc)
+    pc.set_defaults(func=profile_check_mod.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        rc: int = args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"rlbatch {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    return rc

@@ -1,0 +1,209 @@
+"""A deployment: pools of engines behind one admission layer, advanced in engine time."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from rlbatch.admission import Admission, AdmissionConfig
+from rlbatch.buckets import Buckets
+from rlbatch.control import SLA, ControlAction, DeploymentInfo
+from rlbatch.engine.base import Engine
+from rlbatch.engine.config import PRECISIONS, EngineConfig, Precision, vllm_default_budgets
+from rlbatch.engine.sim import SimEngine
+from rlbatch.engine.stats import EngineStats
+from rlbatch.profiles import RooflineStepTimeModel, load_gpu, load_model
+from rlbatch.request import Request
+
+
+def parse_pools(text: str) -> dict[str, int]:
+    """Parse ``"fp16"`` / ``"fp16:2,fp8:1"`` into ``{pool: number of engines}``."""
+    pools: dict[str, int] = {}
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        name, _, count = part.partition(":")
+        if name not in PRECISIONS:
+            raise ValueError(f"unknown pool {name!r} in {text!r}; pools are {PRECISIONS}")
+        try:
+            n = int(count) if count else 1
+        except ValueError:
+            raise ValueError(f"pool {name!r}: engine count must be an integer, got "
+                             f"{count!r}") from None
+        if n < 1:
+            raise ValueError(f"pool {name!r}: engine count must be >= 1, got {n}")
+        if name in pools:
+            raise ValueError(f"pool {name!r} given twice in {text!r}")
+        pools[name] = n
+    if not pools:
+        raise ValueError(f"no pool in {text!r}; e.g. fp16 or fp16:1,fp8:1")
+    return pools
+
+
+@dataclass(frozen=True)
+class DeploymentSpec:
+    """Everything needed to build a simulated deployment.
+
+    :param gpu: GPU profile name or JSON path.
+    :param model: model profile name or JSON path.
+    :param pools: engines per pool, e.g. ``{"fp16": 1}`` or ``{"fp16": 1, "fp8": 1}``.
+    :param tp: tensor-parallel degree (``None``: the model profile's default).
+    :param max_num_seqs: engine ``max_num_seqs`` (``None``: vLLM's default for the GPU).
+    :param max_num_batched_tokens: engine token budget (``None``: vLLM's default for the GPU).
+    :param gpu_memory_utilization: vLLM ``--gpu-memory-utilization``.
+    :param max_model_len: longest sequence (``None``: the model's own limit).
+    :param num_kv_blocks: force the KV pool size of every engine (tests, calibration);
+        ``None`` derives it from GPU memory.
+    :param buckets: prompt-length buckets.
+    :param admission: over-length and queue-bound policy.
+    :param event_skipping: advance pure-decode runs in one go (identical results; faster).
+    :param sla: SLA used by metrics and controllers.
+    :param tick_s: control interval.
+    """
+
+    gpu: str = "a100-80g"
+    model: str = "llama-2-7b"
+    pools: dict[str, int] = field(default_factory=lambda: {"fp16": 1})
+    tp: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
+    num_kv_blocks: int | None = None
+    buckets: Buckets = field(default_factory=Buckets)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    event_skipping: bool = True
+    sla: SLA = field(default_factory=SLA)
+    tick_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.pools:
+            raise ValueError("a deployment needs at least one pool")
+        for pool in self.pools:
+            if pool not in PRECISIONS:
+                raise ValueError(f"unknown pool {pool!r}; pools are {PRECISIONS}")
+        if not self.tick_s > 0:
+            raise ValueError(f"tick_s must be > 0, got {self.tick_s}")
+
+
+class Deployment:
+    """Engines of one or more pools, the admission layer, and the arrival stream.
+
+    Built by :func:`build_deployment`; the constructor does no I/O.
+
+    :param engines: the engines (ids 0..n-1).
+    :param admission: the admission layer over those engines.
+    :param info: what controllers are told about this deployment.
+    """
+
+    def __init__(self, engines: Sequence[Engine], admission: Admission,
+                 info: DeploymentInfo) -> None:
+        self.engines = list(engines)
+        self.admission = admission
+        self.info = info
+        self._requests: list[Request] = []
+        self._next = 0
+
+    def load(self, requests: Sequence[Request]) -> None:
+        """Set the arrival stream (sorted by arrival time)."""
+        if any(b.arrival_s < a.arrival_s for a, b in itertools.pairwise(requests)):
+            raise ValueError("requests must be sorted by arrival_s")
+        self._requests = list(requests)
+        self._next = 0
+
+    def apply(self, action: ControlAction) -> None:
+        self.admission.apply(action)
+
+    @property
+    def submitted(self) -> int:
+        return self._next
+
+    @property
+    def last_arrival_s(self) -> float:
+        return self._requests[-1].arrival_s if self._requests else 0.0
+
+    def run_until(self, t_stop: float) -> None:
+        """Advance every engine until its next iteration would start at or after ``t_stop``."""
+        requests = self._requests
+        n_req = len(requests)
+        admission = self.admission
+        engines = self.engines
+        single = engines[0] if len(engines) == 1 else None
+        idx = self._next
+        while True:
+            eng = single if single is not None else min(
+                engines, key=lambda e: (e.now_s, e.engine_id))
+            now = eng.now_s
+            if now >= t_stop:
+                break
+            while idx < n_req and requests[idx].arrival_s <= now:
+                admission.submit(requests[idx])
+                idx += 1
+            admission.admit(eng)
+            bound = requests[idx].arrival_s if idx < n_req else math.inf
+            if t_stop < bound:
+                bound = t_stop
+            if eng.is_idle():
+                eng.advance_idle(bound)
+            else:
+                eng.step(bound)
+        self._next = idx
+
+    def done(self) -> bool:
+        """All arrivals submitted, nothing queued, every engine idle."""
+        return (self._next >= len(self._requests) and self.admission.num_queued() == 0
+                and all(e.is_idle() for e in self.engines))
+
+    def unfinished(self) -> int:
+        """Requests submitted but not finished or rejected (queued or inside an engine)."""
+        return self.admission.num_queued() + sum(e.num_unfinished_total() for e in self.engines)
+
+    def snapshot(self) -> tuple[EngineStats, ...]:
+        return tuple(e.snapshot() for e in self.engines)
+
+
+def build_deployment(spec: DeploymentSpec) -> Deployment:
+    """Load the profiles named in ``spec`` and build its engines (simulated)."""
+    gpu = load_gpu(spec.gpu)
+    model = load_model(spec.model)
+    default_seqs, default_tokens = vllm_default_budgets(gpu.name)
+    max_num_seqs = spec.max_num_seqs or default_seqs
+    max_tokens = spec.max_num_batched_tokens or default_tokens
+    max_model_len = spec.max_model_len or model.max_model_len
+    if max_model_len > model.max_model_len:
+        raise ValueError(f"max_model_len {max_model_len} exceeds {model.name}'s context "
+                         f"{model.max_model_len}")
+    engines: list[Engine] = []
+    num_blocks: dict[str, int] = {}
+    for pool, count in spec.pools.items():
+        precision: Precision = "fp8" if pool == "fp8" else "fp16"
+        config = EngineConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_tokens,
+            gpu_memory_utilization=spec.gpu_memory_utilization,
+            precision=precision,
+            max_model_len=max_model_len,
+            num_kv_blocks_override=spec.num_kv_blocks,
+        )
+        step_model = RooflineStepTimeModel(gpu, model, precision=precision, tp=spec.tp,
+                                           max_num_batched_tokens=max_tokens,
+                                           max_num_seqs=max_num_seqs)
+        blocks = config.num_kv_blocks_override or step_model.kv_capacity_blocks(
+            spec.gpu_memory_utilization, config.block_size)
+        num_blocks[pool] = blocks
+        for _ in range(count):
+            engines.append(SimEngine(
+                engine_id=len(engines), pool=pool, config=config, step_model=step_model,
+                num_kv_blocks=blocks, max_model_len=max_model_len,
+                gpu_memory_total_bytes=gpu.memory_bytes, num_buckets=len(spec.buckets),
+                event_skipping=spec.event_skipping))
+    info = DeploymentInfo(
+        buckets=spec.buckets, pools=dict(spec.pools), gpu=gpu.name, model=model.name,
+        default_max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
+        num_kv_blocks=num_blocks, block_size=EngineConfig.block_size, max_model_len=max_model_len,
+        tick_s=spec.tick_s, sla=spec.sla)
+    admission = Admission(engines, spec.buckets, max_model_len, spec.admission)
+    return Deployment(engines, admission, info)

@@ -1,0 +1,63 @@
+"""The Engine protocol: what the deployment (admission, control loop) needs of an engine.
+
+The simulator implements it now; the live vLLM engine implements the same surface, so the
+control loop, the env and the evaluation never know which one runs.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from rlbatch.engine.stats import EngineStats
+from rlbatch.request import Request
+
+
+class Engine(Protocol):
+    """One serving engine (one vLLM instance) of one pool."""
+
+    engine_id: int
+    pool: str
+
+    @property
+    def now_s(self) -> float:
+        """The engine clock (simulated seconds, or wall seconds on a live engine)."""
+        ...
+
+    @property
+    def max_num_seqs(self) -> int:
+        """The engine-wide cap on running sequences currently in force."""
+        ...
+
+    def set_max_num_seqs(self, value: int) -> None:
+        """Change the engine-wide cap; running sequences above it finish, none is killed."""
+        ...
+
+    def num_unfinished(self, bucket: int) -> int:
+        """Requests of ``bucket`` inside the engine (running or waiting)."""
+        ...
+
+    def num_unfinished_total(self) -> int:
+        """Requests inside the engine (running or waiting)."""
+        ...
+
+    def add_request(self, request: Request, bucket: int, prompt_tokens: int,
+                    truncated: bool) -> None:
+        """Hand a request to the engine's own waiting queue (vLLM ``add_request``)."""
+        ...
+
+    def is_idle(self) -> bool:
+        """Nothing running and nothing waiting."""
+        ...
+
+    def advance_idle(self, to_s: float) -> None:
+        """Move the clock of an idle engine forward to ``to_s``."""
+        ...
+
+    def step(self, bound_s: float) -> None:
+        """Run one iteration; may run further iterations while nothing but decoding happens
+        and the clock at the start of the next one is below ``bound_s``."""
+        ...
+
+    def snapshot(self) -> EngineStats:
+        """Stats since the previous snapshot; resets the interval counters."""
+        ...

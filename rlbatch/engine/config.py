@@ -1,0 +1,68 @@
+"""Engine configuration with vLLM's names for the scheduler budgets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Precision = Literal["fp16", "fp8"]
+PRECISIONS: tuple[Precision, ...] = ("fp16", "fp8")
+
+# vLLM's defaults for the OpenAI server (engine/arg_utils.py, UsageContext.OPENAI_API_SERVER):
+# (max_num_seqs, max_num_batched_tokens) by GPU family.
+_VLLM_DEFAULTS: dict[str, tuple[int, int]] = {
+    "a100": (256, 2048),
+    "h100": (1024, 8192),
+    "h200": (1024, 8192),
+}
+
+
+def vllm_default_budgets(gpu_name: str) -> tuple[int, int]:
+    """vLLM's default ``(max_num_seqs, max_num_batched_tokens)`` for a GPU profile name."""
+    family = gpu_name.split("-")[0].lower()
+    return _VLLM_DEFAULTS.get(family, _VLLM_DEFAULTS["a100"])
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Scheduler and cache settings of one engine (one vLLM instance).
+
+    :param max_num_seqs: upper bound on running sequences (vLLM ``--max-num-seqs``).
+    :param max_num_batched_tokens: token budget of one iteration (vLLM
+        ``--max-num-batched-tokens``); decodes are scheduled first, prefill chunks fill the rest.
+    :param block_size: tokens per paged KV block.
+    :param gpu_memory_utilization: fraction of GPU memory vLLM may use (weights + activations
+        + KV pool).
+    :param precision: ``fp16`` or ``fp8`` (FP8 KV cache; FP8 weights where the GPU has FP8).
+    :param max_model_len: longest sequence (prompt + output) the engine accepts; ``None``
+        takes the model's own limit.
+    :param num_kv_blocks_override: force the KV pool size (tests, calibration); ``None``
+        derives it from GPU memory.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    precision: Precision = "fp16"
+    max_model_len: int | None = None
+    num_kv_blocks_override: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got "
+                             f"{self.max_num_batched_tokens}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.num_kv_blocks_override is not None and self.num_kv_blocks_override < 1:
+            raise ValueError(f"num_kv_blocks_override must be >= 1, got "
+                             f"{self.num_kv_blocks_override}")

@@ -1,0 +1,105 @@
+"""EngineStats: the one snapshot type every consumer reads.
+
+The observation, the reward, the metrics summary, TensorBoard and Prometheus all read these
+snapshots; nothing reads engine internals (vLLM's SchedulerStats -> StatLoggerBase pattern).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedRequest:
+    """Timings of one request that left the system (finished or rejected).
+
+    :param request_id: id from the workload.
+    :param bucket: prompt-length bucket index.
+    :param pool: pool the request ran in ("" when it never reached an engine).
+    :param arrival_s: arrival time.
+    :param prompt_tokens: prompt length actually served (after any truncation).
+    :param output_tokens: tokens generated.
+    :param ttft_s: time to first token (arrival -> first token), NaN if rejected.
+    :param tpot_s: time per output token after the first (0 for one-token outputs), NaN if
+        rejected.
+    :param e2e_s: arrival -> last token, NaN if rejected.
+    :param finish_s: time the request left the system.
+    :param preemptions: times this request was preempted (recomputed).
+    :param truncated: the prompt was cut to fit ``max_model_len``.
+    :param rejected: the request was refused (too long, or queue full); no timings.
+    """
+
+    request_id: int
+    bucket: int
+    pool: str
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    ttft_s: float
+    tpot_s: float
+    e2e_s: float
+    finish_s: float
+    preemptions: int = 0
+    truncated: bool = False
+    rejected: bool = False
+
+    def comparable(self) -> tuple[object, ...]:
+        """Every field, with NaN timings (rejected requests) as ``None`` so that equal
+        records compare equal."""
+        return tuple(None if isinstance(v, float) and v != v else v
+                     for v in (self.request_id, self.bucket, self.pool, self.arrival_s,
+                               self.prompt_tokens, self.output_tokens, self.ttft_s, self.tpot_s,
+                               self.e2e_s, self.finish_s, self.preemptions, self.truncated,
+                               self.rejected))
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """State and counters of one engine over one interval (a control tick).
+
+    Counters (``*_total`` excluded) cover the interval ``[start_s, time_s)``; gauges are read
+    at ``time_s``.
+
+    :param engine_id: index of the engine in its deployment.
+    :param pool: pool name (``fp16`` / ``fp8``).
+    :param start_s: interval start.
+    :param time_s: interval end (engine clock when the snapshot was taken).
+    :param running: running sequences per bucket (admitted and scheduled in the engine).
+    :param waiting: sequences per bucket inside the engine waiting for their (re)prefill.
+    :param kv_cache_usage: fraction of KV blocks in use at ``time_s``.
+    :param kv_cache_usage_peak: highest fraction of KV blocks in use during the interval.
+    :param num_kv_blocks: KV blocks in the pool.
+    :param gpu_memory_used_bytes: GPU memory in use (the simulator models vLLM's
+        pre-allocation: weights + activation reserve + the whole KV pool).
+    :param gpu_memory_total_bytes: GPU memory on one device.
+    :param iterations: engine iterations (forward passes) in the interval.
+    :param busy_s: engine time spent in iterations (the rest was idle).
+    :param prefill_tokens: prompt tokens computed (recomputation after preemption included).
+    :param decode_tokens: output tokens generated.
+    :param preemptions: requests preempted (recompute) in the interval.
+    :param recomputed_tokens: KV tokens thrown away by preemption (to be computed again).
+    :param kv_overflows: iterations in which a running request could not get a KV block.
+    :param max_num_seqs: engine-wide cap on running sequences in force.
+    :param finished: requests that finished in the interval on this engine.
+    """
+
+    engine_id: int
+    pool: str
+    start_s: float
+    time_s: float
+    running: tuple[int, ...]
+    waiting: tuple[int, ...]
+    kv_cache_usage: float
+    kv_cache_usage_peak: float
+    num_kv_blocks: int
+    gpu_memory_used_bytes: int
+    gpu_memory_total_bytes: int
+    iterations: int
+    busy_s: float
+    prefill_tokens: int
+    decode_tokens: int
+    preemptions: int
+    recomputed_tokens: int
+    kv_overflows: int
+    max_num_seqs: int
+    finished: tuple[FinishedRequest, ...]

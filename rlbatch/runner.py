@@ -1,0 +1,112 @@
+"""Run one controller over one workload on a simulated deployment: the control loop."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from rlbatch.control import Controller, DeploymentStats
+from rlbatch.deployment import DeploymentSpec, build_deployment
+from rlbatch.engine.stats import FinishedRequest
+from rlbatch.metrics import RunTotals, SlidingWindow, summarize
+from rlbatch.workload import Workload
+
+TickCallback = Callable[[DeploymentStats], None]
+
+
+@dataclass
+class RunResult:
+    """Outcome of one run.
+
+    :param row: the evaluation row (DESIGN.md command contract fields and more).
+    :param records: every request that left the system.
+    """
+
+    row: dict[str, Any]
+    records: list[FinishedRequest]
+
+
+def run(
+    workload: Workload,
+    controller: Controller,
+    spec: DeploymentSpec,
+    *,
+    window_s: float = 30.0,
+    drain_s: float = 600.0,
+    on_tick: TickCallback | None = None,
+    rate_scale: float = 1.0,
+) -> RunResult:
+    """Drive ``controller`` over ``workload`` on a fresh deployment built from ``spec``.
+
+    Every control tick (``spec.tick_s`` of engine time) the engines' stats are snapshotted,
+    the controller decides, and its action is applied. The run ends when every request has
+    finished or been rejected, or ``drain_s`` after the last arrival (what is left counts as
+    unfinished, against SLA attainment).
+
+    :param workload: the arrivals.
+    :param controller: the controller under test.
+    :param spec: the deployment.
+    :param window_s: sliding window of the latency percentiles handed to the controller.
+    :param drain_s: how long after the last arrival the run may go on.
+    :param on_tick: called with every tick's stats (progress bars, logging).
+    :param rate_scale: recorded in the row (the workload is already scaled).
+    """
+    wall_start = time.perf_counter()
+    deployment = build_deployment(spec)
+    deployment.load(workload.requests)
+    info = deployment.info
+    action = controller.reset(info)
+    deployment.apply(action)
+    window = SlidingWindow(info.buckets, info.sla, window_s)
+    totals = RunTotals()
+    records: list[FinishedRequest] = []
+    tick_s = spec.tick_s
+    deadline = deployment.last_arrival_s + drain_s
+    tick = 0
+    while True:
+        tick += 1
+        t = tick * tick_s
+        deployment.run_until(t)
+        engine_stats = deployment.snapshot()
+        for es in engine_stats:
+            totals.add(es)
+            records.extend(es.finished)
+            window.add(es.finished)
+        admission = deployment.admission
+        records.extend(admission.rejected)
+        admission.rejected.clear()
+        arrived, rejected = admission.take_tick_counters()
+        stats = DeploymentStats(
+            time_s=t, tick_s=tick_s, engines=engine_stats, queued=admission.queued(),
+            arrived=arrived, rejected=rejected, window=window.stats(t), action=action)
+        if on_tick is not None:
+            on_tick(stats)
+        if deployment.done() or t >= deadline:
+            break
+        action = controller.decide(stats)
+        deployment.apply(action)
+
+    makespan = max([r.finish_s for r in records], default=0.0)
+    makespan = max(makespan, deployment.last_arrival_s)
+    row: dict[str, Any] = {
+        "controller": controller.name,
+        "trace": workload.name,
+        "rate_scale": rate_scale,
+        "gpu": info.gpu,
+        "model": info.model,
+        "pools": ",".join(f"{p}:{n}" for p, n in info.pools.items()),
+    }
+    row.update(summarize(records, info.buckets, info.sla, makespan, totals,
+                         submitted=len(workload.requests), unfinished=deployment.unfinished()))
+    row["guard_overrides"] = int(getattr(controller, "guard_overrides_total", 0))
+    row["sim_seconds"] = makespan
+    row["wall_seconds"] = time.perf_counter() - wall_start
+    row["speedup_x"] = makespan / row["wall_seconds"] if row["wall_seconds"] > 0 else 0.0
+    return RunResult(row=row, records=records)
+
+
+def with_event_skipping(spec: DeploymentSpec, enabled: bool) -> DeploymentSpec:
+    """A copy of ``spec`` with event skipping switched on or off."""
+    return replace(spec, event_skipping=enabled)

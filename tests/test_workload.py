@@ -1,0 +1,502 @@
+"""Tests for rlbatch.workload: trace loading, malformed input, generators and specs."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rlbatch.request import Request
+from rlbatch.workload import (
+    LengthMixture,
+    LogNormalLengths,
+    TraceFormatError,
+    Workload,
+    azure_like_mix,
+    build_workload,
+    bursty,
+    day_mix,
+    detect_tick_s,
+    diurnal,
+    load_azure_csv,
+    load_mooncake_jsonl,
+    load_trace,
+    night_mix,
+    poisson,
+    resolve_workload,
+)
+
+AZURE = "azure_conv_2023.csv"
+MOONCAKE = "mooncake_synthetic.jsonl"
+AZURE_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+
+
+def traces_dir() -> Path:
+    env = os.environ.get("RLBATCH_TRACES_DIR")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[1].parent / "shared" / "data" / "traces"
+
+
+@pytest.fixture(scope="module")
+def trace_path() -> Callable[[str], Path]:
+    def find(name: str) -> Path:
+        path = traces_dir() / name
+        if not path.is_file():
+            pytest.fail(f"shipped trace {path} not present (set RLBATCH_TRACES_DIR)")
+        return path
+    return find
+
+
+@pytest.fixture(scope="module")
+def azure(trace_path: Callable[[str], Path]) -> Workload:
+    return load_trace(trace_path(AZURE))
+
+
+def arrivals(workload: Workload) -> list[float]:
+    return [r.arrival_s for r in workload.requests]
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def moon(ts: float, prompt: object = 100, output: object = 10, **extra: object) -> str:
+    return json.dumps({"timestamp": ts, "input_length": prompt, "output_length": output, **extra})
+
+
+# --- shipped traces ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("name", "rows", "span_min", "rate"), [
+    (AZURE, 19_366, 58, 5.53),
+    (MOONCAKE, 3_993, 17, 3.91),
+])
+def test_shipped_trace_matches_readme(trace_path: Callable[[str], Path], name: str, rows: int,
+                                      span_min: int, rate: float) -> None:
+    workload = load_trace(trace_path(name))
+    times = arrivals(workload)
+    assert len(workload) == rows
+    assert times[0] == 0.0
+    assert times == sorted(times)
+    assert [r.request_id for r in workload.requests] == list(range(rows))
+    assert span_min * 60 <= workload.duration_s < (span_min + 1) * 60
+    assert workload.mean_rate_rps == pytest.approx(rate, abs=0.01)
+    assert workload.skipped_rows == 0 and workload.skipped_reasons == {}
+    assert workload.transforms == ()  # neither shipped trace is quantised: no auto jitter
+    assert workload.name == Path(name).stem and workload.source.endswith(name)
+
+
+def test_prefix_ids_only_from_mooncake(trace_path: Callable[[str], Path],
+                                       azure: Workload) -> None:
+    mooncake = load_mooncake_jsonl(trace_path(MOONCAKE))
+    assert all(r.prefix_ids is None for r in azure.requests)
+    first = mooncake.requests[0]
+    assert first.prefix_ids is not None and first.prefix_ids[:3] == (0, 1, 2)
+    assert first.prompt_tokens == 40160
+
+
+def test_azure_loads_fast(trace_path: Callable[[str], Path]) -> None:
+    start = time.perf_counter()
+    load_azure_csv(trace_path(AZURE))
+    assert time.perf_counter() - start < 1.0
+
+
+@pytest.mark.parametrize("scale", [2.0, 0.5])
+def test_rate_scale_compresses_time(azure: Workload, trace_path: Callable[[str], Path],
+                                    scale: float) -> None:
+    scaled = load_trace(trace_path(AZURE), rate_scale=scale)
+    assert len(scaled) == len(azure)
+    assert scaled.duration_s == pytest.approx(azure.duration_s / scale)
+    assert scaled.mean_rate_rps == pytest.approx(azure.mean_rate_rps * scale)
+
+
+def test_window_selects_original_time_and_rebases(azure: Workload,
+                                                  trace_path: Callable[[str], Path]) -> None:
+    inside = [r for r in azure.requests if 600.0 <= r.arrival_s < 1200.0]
+    windowed = load_trace(trace_path(AZURE), window_s=(600.0, 1200.0), rate_scale=2.0)
+    assert len(windowed) == len(inside)
+    assert windowed.requests[0].arrival_s == 0.0
+    assert [r.prompt_tokens for r in windowed.requests] == [r.prompt_tokens for r in inside]
+    offset = inside[0].arrival_s
+    assert arrivals(windowed) == pytest.approx([(r.arrival_s - offset) / 2 for r in inside])
+    assert windowed.duration_s < 300.0
+    assert windowed.transforms == ("window [600, 1200) s", "rate_scale x2")
+
+
+def test_max_requests_keeps_first(azure: Workload, trace_path: Callable[[str], Path]) -> None:
+    head = load_trace(trace_path(AZURE), max_requests=100)
+    assert head.requests == azure.requests[:100]
+
+
+def test_window_outside_trace_is_an_error(trace_path: Callable[[str], Path]) -> None:
+    with pytest.raises(ValueError, match="selects no request"):
+        load_trace(trace_path(MOONCAKE), window_s=(5000.0, 6000.0))
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"rate_scale": 0.0}, {"rate_scale": -1.0}, {"rate_scale": math.nan},
+    {"window_s": (10.0, 5.0)}, {"window_s": (-1.0, 5.0)}, {"max_requests": 0},
+    {"jitter_s": -1.0}, {"on_bad_row": "ignore"},
+])
+def test_invalid_options(tmp_path: Path, kwargs: dict[str, object]) -> None:
+    path = write(tmp_path, "t.jsonl", moon(0) + "\n")
+    with pytest.raises(ValueError):
+        load_trace(path, **kwargs)  # type: ignore[arg-type]
+
+
+# --- jitter -----------------------------------------------------------------------------------
+
+TICK_MS = [0, 0, 3000, 3000, 3000, 9000, 12000, 12000]
+
+
+@pytest.fixture
+def tick_file(tmp_path: Path) -> Path:
+    lines = [moon(ts, prompt=100 + i) for i, ts in enumerate(TICK_MS)]
+    return write(tmp_path, "conv.jsonl", "\n".join(lines) + "\n")
+
+
+def test_detect_tick() -> None:
+    assert detect_tick_s(np.array([0, 3_000, 9_000, 12_000], dtype=np.int64) * 10**6) == 3.0
+    assert detect_tick_s(np.array([0, 3_000], dtype=np.int64) * 10**6) == 0.0
+
+
+def test_jitter_off_keeps_ticks(tick_file: Path) -> None:
+    workload = load_trace(tick_file, jitter_s=0)
+    assert arrivals(workload) == [ts / 1000 for ts in TICK_MS]
+    assert workload.transforms == ()
+
+
+def test_auto_jitter_spreads_within_ticks(tick_file: Path) -> None:
+    workload = load_trace(tick_file, seed=7)
+    assert len(set(arrivals(workload))) == len(TICK_MS)
+    assert workload.requests[0].arrival_s == 0.0
+    assert "auto" in workload.transforms[0] and "3 s" in workload.transforms[0]
+    # Each request moved by offset_i - offset_first with offset in [0, 3): its arrival minus
+    # its original tick spans less than one tick across all requests.
+    original = {100 + i: ts / 1000 for i, ts in enumerate(TICK_MS)}
+    shifts = [r.arrival_s - original[r.prompt_tokens] for r in workload.requests]
+    assert max(shifts) - min(shifts) < 3.0
+    assert load_trace(tick_file, seed=7).requests == workload.requests
+    assert arrivals(load_trace(tick_file, seed=8)) != arrivals(workload)
+
+
+def test_explicit_jitter_width(tick_file: Path) -> None:
+    workload = load_trace(tick_file, jitter_s=0.5, seed=1)
+    original = {100 + i: ts / 1000 for i, ts in enumerate(TICK_MS)}
+    shifts = [r.arrival_s - original[r.prompt_tokens] for r in workload.requests]
+    assert max(shifts) - min(shifts) < 0.5
+    assert workload.transforms == ("jitter 0.5 s",)
+
+
+# --- malformed input --------------------------------------------------------------------------
+
+GOOD_ROW = "2023-11-16 18:15:46.6805900,374,44\n"
+MALFORMED = [
+    # (file name, content, 1-based line, reason)
+    ("bad_number.csv", AZURE_HEADER + GOOD_ROW + "2023-11-16 18:15:47.0000000,abc,5\n"
+     + GOOD_ROW, 3, "bad_number"),
+    ("bad_time.csv", AZURE_HEADER + "2023-13-16 18:15:46.68,374,44\n" + GOOD_ROW, 2,
+     "bad_timestamp"),
+    ("neg_output.csv", AZURE_HEADER + GOOD_ROW + "2023-11-16 18:15:48.1,10,-3\n", 3,
+     "negative_output"),
+    ("fields.csv", AZURE_HEADER + GOOD_ROW + GOOD_ROW + "2023-11-16 18:15:48.1,10\n", 4,
+     "bad_field_count"),
+    ("empty_fields.csv", AZURE_HEADER + GOOD_ROW + ",,\n", 3, "bad_timestamp"),
+    ("bad_json.jsonl", moon(0) + "\n" + '{"timestamp": 5, "input_length": \n' + moon(9) + "\n",
+     2, "invalid_json"),
+    ("neg_prompt.jsonl", moon(0) + "\n" + moon(1) + "\n" + moon(2, prompt=-5) + "\n", 3,
+     "nonpositive_prompt"),
+    ("zero_prompt.jsonl", moon(0, prompt=0) + "\n" + moon(1) + "\n", 1, "nonpositive_prompt"),
+    ("missing.jsonl", moon(0) + "\n" + '{"timestamp": 3, "input_length": 7}\n', 2,
+     "missing_field"),
+    ("string_len.jsonl", moon(0) + "\n" + moon(3, prompt="12") + "\n", 2, "bad_number"),
+    ("neg_time.jsonl", moon(-1) + "\n" + moon(3) + "\n", 1, "bad_timestamp"),
+    ("array.jsonl", moon(0) + "\n" + "[1, 2]\n", 2, "not_an_object"),
+    ("hashes.jsonl", moon(0) + "\n" + moon(3, hash_ids=["a"]) + "\n", 2, "bad_hash_ids"),
+]
+
+
+@pytest.mark.parametrize(("name", "content", "line", "reason"), MALFORMED,
+                         ids=[case[0] for case in MALFORMED])
+def test_malformed_row_raises_with_file_and_line(tmp_path: Path, name: str, content: str,
+                                                 line: int, reason: str) -> None:
+    path = write(tmp_path, name, content)
+    with pytest.raises(TraceFormatError) as info:
+        load_trace(path)
+    assert name in str(info.value)
+    assert f"{name}:{line}: " in str(info.value)
+    assert (info.value.line, info.value.reason) == (line, reason)
+
+
+@pytest.mark.parametrize(("name", "content", "line", "reason"), MALFORMED,
+                         ids=[case[0] for case in MALFORMED])
+def test_skip_counts_malformed_rows(tmp_path: Path, name: str, content: str, line: int,
+                                    reason: str) -> None:
+    path = write(tmp_path, name, content)
+    data_rows = sum(1 for text in content.splitlines() if text.strip()) - name.endswith(".csv")
+    workload = load_trace(path, on_bad_row="skip")
+    assert workload.skipped_rows == 1
+    assert workload.skipped_reasons == {reason: 1}
+    assert len(workload) == data_rows - 1
+    assert f"{reason}=1" in workload.describe()
+
+
+@pytest.mark.parametrize(("name", "content", "line", "message"), [
+    ("header.csv", "time,ctx,gen\n2023-11-16 18:15:46.68,1,2\n", 1, "header"),
+    ("partial_header.csv", "TIMESTAMP,ContextTokens\n2023-11-16 18:15:46.68,1\n", 1,
+     "GeneratedTokens"),
+    ("blank_then_header.csv", "\n\nfoo\n", 3, "header"),
+])
+def test_bad_header_raises_even_when_skipping(tmp_path: Path, name: str, content: str, line: int,
+                                              message: str) -> None:
+    path = write(tmp_path, name, content)
+    for mode in ("raise", "skip"):
+        with pytest.raises(TraceFormatError, match=message) as info:
+            load_trace(path, on_bad_row=mode)
+        assert f"{name}:{line}: " in str(info.value)
+
+
+def test_load_azure_csv_rejects_jsonl(tmp_path: Path) -> None:
+    path = write(tmp_path, "m.jsonl", moon(0) + "\n")
+    with pytest.raises(TraceFormatError, match=r"m\.jsonl:1: .*header"):
+        load_azure_csv(path)
+
+
+@pytest.mark.parametrize(("name", "content", "message"), [
+    ("empty.csv", "", "empty"),
+    ("blank.jsonl", "\n  \n", "empty"),
+    ("header_only.csv", AZURE_HEADER, "no valid data rows"),
+])
+def test_empty_file(tmp_path: Path, name: str, content: str, message: str) -> None:
+    path = write(tmp_path, name, content)
+    with pytest.raises(TraceFormatError, match=message) as info:
+        load_trace(path)
+    assert name in str(info.value)
+
+
+def test_all_rows_skipped_is_an_error(tmp_path: Path) -> None:
+    path = write(tmp_path, "junk.jsonl", "{oops\n{nope\n")
+    with pytest.raises(TraceFormatError, match=r"junk\.jsonl: no valid data rows \(2 malformed"):
+        load_trace(path, on_bad_row="skip")
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "nowhere.csv"
+    with pytest.raises(FileNotFoundError, match=r"nowhere\.csv"):
+        load_trace(path)
+
+
+def test_unsorted_rows_are_sorted(tmp_path: Path) -> None:
+    path = write(tmp_path, "unsorted.csv", AZURE_HEADER
+                 + "2023-11-16 18:00:05.5,30,3\n2023-11-16 18:00:01.25,10,1\n"
+                 + "2023-11-16 18:00:02.0000001,20,2\n")
+    workload = load_trace(path)
+    assert arrivals(workload) == [0.0, pytest.approx(0.7500001), 4.25]
+    assert [r.prompt_tokens for r in workload.requests] == [10, 20, 30]
+    assert [r.request_id for r in workload.requests] == [0, 1, 2]
+
+
+def test_zero_output_is_clamped_and_counted(tmp_path: Path) -> None:
+    path = write(tmp_path, "zero.csv", AZURE_HEADER + GOOD_ROW
+                 + "2023-11-16 18:15:47.0,50,0\n")
+    workload = load_trace(path)
+    assert workload.requests[1].max_output_tokens == 1
+    assert workload.adjustments == {"zero_output_clamped": 1}
+    assert workload.skipped_rows == 0
+    assert "zero_output_clamped=1" in workload.describe()
+
+
+def test_format_detected_by_content_crlf_and_bom(tmp_path: Path) -> None:
+    mooncake = write(tmp_path, "actually_jsonl.csv", moon(0) + "\n" + moon(1500, 7, 0) + "\n")
+    assert arrivals(load_trace(mooncake)) == [0.0, 1.5]
+    azure = tmp_path / "crlf.txt"
+    azure.write_bytes(("\ufeff" + AZURE_HEADER + GOOD_ROW).replace("\n", "\r\n").encode())
+    assert load_trace(azure).requests == [Request(0, 0.0, 374, 44)]
+
+
+def test_extra_columns_and_timezone(tmp_path: Path) -> None:
+    path = write(tmp_path, "cols.csv", "ContextTokens,Foo,GeneratedTokens,TIMESTAMP\n"
+                 "5,x,6,2023-11-16T18:00:00+01:00\n7,y,8,2023-11-16 17:00:02Z\n")
+    assert arrivals(load_trace(path)) == [0.0, 2.0]
+
+
+# --- Workload ---------------------------------------------------------------------------------
+
+def test_build_workload_sorts_rebases_numbers() -> None:
+    workload = build_workload([(12.0, 5, 6, None), (10.0, 1, 2, (1, 2)), (11.5, 3, 4, None)],
+                              name="toy", source="test")
+    assert workload.requests == [Request(0, 0.0, 1, 2, (1, 2)), Request(1, 1.5, 3, 4),
+                                 Request(2, 2.0, 5, 6)]
+    assert workload.duration_s == 2.0
+    assert workload.mean_rate_rps == 1.5
+    assert "\n" not in workload.describe() and workload.describe().startswith("toy: 3 requests")
+
+
+@pytest.mark.parametrize("requests", [
+    [Request(1, 0.0, 1, 1)],
+    [Request(0, 1.0, 1, 1)],
+    [Request(0, 0.0, 1, 1), Request(1, 2.0, 1, 1), Request(2, 1.0, 1, 1)],
+])
+def test_workload_rejects_broken_invariants(requests: list[Request]) -> None:
+    with pytest.raises(ValueError):
+        Workload(name="bad", requests=requests, source="test")
+
+
+def test_empty_workload_properties() -> None:
+    workload = build_workload([], name="none", source="test")
+    assert (len(workload), workload.duration_s, workload.mean_rate_rps) == (0, 0.0, 0.0)
+
+
+# --- generators -------------------------------------------------------------------------------
+
+Generator = Callable[..., Workload]
+GENERATORS: list[Generator] = [poisson, bursty, diurnal]
+
+
+@pytest.mark.parametrize("generate", GENERATORS)
+def test_generator_is_deterministic(generate: Generator) -> None:
+    first = generate(5.0, 300.0, night_mix(), 3)
+    assert first.requests == generate(5.0, 300.0, night_mix(), 3).requests
+    assert first.requests != generate(5.0, 300.0, night_mix(), 4).requests
+    assert first.requests[0].arrival_s == 0.0
+    assert first.source.startswith(generate.__name__ + "(") and "night_mix" in first.source
+
+
+@pytest.mark.parametrize(("generate", "tolerance"), [(poisson, 0.02), (bursty, 0.06),
+                                                     (diurnal, 0.02)])
+def test_generator_mean_rate(generate: Generator, tolerance: float) -> None:
+    workload = generate(5.0, 20_000.0, day_mix(), 0)
+    assert workload.mean_rate_rps == pytest.approx(5.0, rel=tolerance)
+
+
+def bin_counts(workload: Workload, width_s: float) -> np.ndarray:
+    times = np.asarray(arrivals(workload))
+    return np.bincount((times // width_s).astype(int))
+
+
+def test_bursty_is_burstier_than_poisson() -> None:
+    def dispersion(workload: Workload) -> float:
+        counts = bin_counts(workload, 10.0)
+        return float(counts.var() / counts.mean())
+    assert dispersion(poisson(5.0, 5000.0, day_mix(), 0)) < 1.3
+    assert dispersion(bursty(5.0, 5000.0, day_mix(), 0)) > 3.0
+
+
+def test_diurnal_peaks_mid_period() -> None:
+    counts = bin_counts(diurnal(5.0, 4000.0, day_mix(), 0, amplitude=0.8), 1000.0)
+    assert counts[1] + counts[2] > 2 * (counts[0] + counts[3])
+
+
+@pytest.mark.parametrize(("generate", "kwargs"), [
+    (poisson, {"rate_rps": 0.0}), (poisson, {"rate_rps": -1.0}), (poisson, {"rate_rps": math.nan}),
+    (poisson, {"duration_s": 0.0}), (poisson, {"rate_rps": 1e6, "duration_s": 1e6}),
+    (bursty, {"burst_factor": 0.5}), (bursty, {"mean_on_s": 0.0}), (bursty, {"mean_off_s": -1.0}),
+    (diurnal, {"amplitude": 1.0}), (diurnal, {"amplitude": -0.1}), (diurnal, {"period_s": 0.0}),
+])
+def test_generator_argument_validation(generate: Generator, kwargs: dict[str, float]) -> None:
+    first = "rate_rps" if generate is poisson else "mean_rate_rps"
+    args: dict[str, float] = {first: 5.0, "duration_s": 60.0}
+    args.update({first if key == "rate_rps" else key: value for key, value in kwargs.items()})
+    with pytest.raises(ValueError):
+        generate(**args)
+
+
+# --- lengths ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dist", [day_mix(), night_mix(), azure_like_mix()],
+                         ids=["day", "night", "azure-like"])
+def test_presets_fit_4k_context(dist: LogNormalLengths | LengthMixture) -> None:
+    prompts, outputs = dist.sample(np.random.default_rng(0), 20_000)
+    assert prompts.min() >= 1 and outputs.min() >= 1
+    assert (prompts + outputs).max() <= 4096
+
+
+def test_day_mix_is_short_chats() -> None:
+    prompts, outputs = day_mix().sample(np.random.default_rng(0), 5_000)
+    assert prompts.min() >= 200 and prompts.max() <= 800
+    assert outputs.min() >= 100 and outputs.max() <= 300
+
+
+def test_night_mix_has_short_and_long() -> None:
+    prompts, outputs = night_mix().sample(np.random.default_rng(0), 10_000)
+    long = prompts >= 2048
+    assert np.all((prompts < 1024) | long)
+    assert long.mean() == pytest.approx(0.25, abs=0.02)
+    assert outputs[long].min() >= 500 and outputs[~long].max() <= 300
+
+
+def test_lengths_are_seeded_by_caller() -> None:
+    dist = night_mix()
+    first = dist.sample(np.random.default_rng(5), 100)
+    second = dist.sample(np.random.default_rng(5), 100)
+    assert all(np.array_equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"prompt_median": 0.0}, {"prompt_sigma": -0.1}, {"output_max": 10},
+    {"prompt_min": 0}, {"total_max": 40},
+])
+def test_lognormal_validation(kwargs: dict[str, float]) -> None:
+    params: dict[str, float] = {"prompt_median": 500, "prompt_sigma": 0.5, "output_median": 100,
+                                "output_sigma": 0.5, "prompt_max": 2000, "output_max": 500,
+                                "prompt_min": 50}
+    params.update(kwargs)
+    with pytest.raises(ValueError):
+        LogNormalLengths(**params)  # type: ignore[arg-type]
+
+
+def test_mixture_validation() -> None:
+    with pytest.raises(ValueError):
+        LengthMixture([])
+    with pytest.raises(ValueError):
+        LengthMixture([(0.0, day_mix())])
+
+
+# --- specs ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("spec", "prefix"), [
+    ("poisson:rate=5,duration=600,mix=night", "poisson("),
+    ("bursty:rate=5,duration=600,mix=day", "bursty("),
+    ("diurnal:rate=5,duration=3600,mix=night", "diurnal("),
+    ("bursty:rate=2,duration=100,burst=8,on=5,off=20", "bursty("),
+    ("diurnal:rate=2,duration=100,period=50,amplitude=0.3", "diurnal("),
+])
+def test_resolve_generator_specs(spec: str, prefix: str) -> None:
+    workload = resolve_workload(spec, seed=1)
+    assert workload.source.startswith(prefix)
+    assert workload.requests == resolve_workload(spec, seed=1).requests
+
+
+def test_resolve_spec_rate_scale_and_mix() -> None:
+    workload = resolve_workload("poisson:rate=5,duration=2000,mix=day", 0, rate_scale=2.0)
+    assert workload.mean_rate_rps == pytest.approx(10.0, rel=0.05)
+    assert "day_mix" in workload.source
+    assert "azure_like" in resolve_workload("poisson:rate=1,duration=10", 0).source
+
+
+def test_resolve_trace_path(trace_path: Callable[[str], Path]) -> None:
+    assert len(resolve_workload(str(trace_path(MOONCAKE)), 0)) == 3_993
+
+
+@pytest.mark.parametrize(("spec", "error"), [
+    ("possion:rate=5,duration=60", ValueError),
+    ("poisson:rate=5", ValueError),
+    ("poisson:rate=5,duration=60,mix=evening", ValueError),
+    ("poisson:rate=5,duration=60,burst=2", ValueError),
+    ("poisson:rate=fast,duration=60", ValueError),
+    ("poisson:rate=0,duration=60", ValueError),
+    ("no/such/trace.csv", FileNotFoundError),
+])
+def test_resolve_bad_specs(spec: str, error: type[Exception]) -> None:
+    with pytest.raises(error) as info:
+        resolve_workload(spec, 0)
+    if "rate=0" not in spec and "fast" not in spec and "evening" not in spec:
+        assert "poisson:rate=R,duration=D" in str(info.value)
