@@ -9,7 +9,7 @@ DEFAULT_EDGES: tuple[int, ...] = (1024, 2048, 4096)
 
 
 def _fmt_tokens(n: int) -> str:
-    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+    return f"{n // 1024}k" if n and n % 1024 == 0 else str(n)
 
 
 @dataclass(frozen=True)
@@ -50,5 +50,6 @@ class Buckets:
         try:
             edges = tuple(int(x) for x in text.split(",") if x.strip())
         except ValueError as exc:
-            raise ValueError(f"bucket edges must be comma-separated integers, got {text!r}") from exc
+            raise ValueError(
+                f"bucket edges must be comma-separated integers, got {text!r}") from exc
         return cls(edges)

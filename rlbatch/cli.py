@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tqdm import tqdm
 
@@ -28,6 +28,8 @@ from rlbatch.report import format_buckets, format_table, write_json
 from rlbatch.runner import run
 from rlbatch.workload import Workload, build_workload, load_trace, resolve_workload
 
+T = TypeVar("T")
+
 
 def _floats(text: str) -> list[float]:
     try:
@@ -38,6 +40,19 @@ def _floats(text: str) -> list[float]:
     if not values or any(not v > 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
     return values
+
+
+def _checked(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """An argparse ``type`` that shows the parser's own error message."""
+
+    def wrapper(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    wrapper.__name__ = parse.__name__
+    return wrapper
 
 
 def _window(text: str) -> tuple[float, float]:
@@ -60,7 +75,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="llama-2-7b",
                    help="model profile name or JSON file (llama-2-7b, llama-3.1-8b, "
                         "llama-2-70b, deepseek-v3)")
-    g.add_argument("--pools", default="fp16", type=parse_pools,
+    g.add_argument("--pools", default="fp16", type=_checked(parse_pools),
                    help="pools and engines per pool, e.g. fp16 or fp16:1,fp8:1 (default fp16)")
     g.add_argument("--tp", type=int, default=None, help="tensor parallel degree "
                    "(default: the model profile's)")
@@ -76,7 +91,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                         "prompt; either way counted")
     g.add_argument("--max-queue-len", type=int, default=None,
                    help="per-bucket admission queue bound (default unbounded)")
-    g.add_argument("--buckets", type=Buckets.parse, default=Buckets(),
+    g.add_argument("--buckets", type=_checked(Buckets.parse), default=Buckets(),
                    help="prompt-length bucket edges in tokens (default 1024,2048,4096)")
     g.add_argument("--no-event-skipping", action="store_true",
                    help="step every iteration (same results, slower; for checking)")

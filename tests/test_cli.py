@@ -1,0 +1,94 @@
+"""The command-line contract (DESIGN.md): evaluate, simulate, profile-check."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlbatch.cli import main
+from tests.conftest import profiling_dir
+
+ROW_FIELDS = {
+    "controller", "trace", "rate_scale", "completed", "rejected", "truncated", "goodput_rps",
+    "throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p99_s", "e2e_p99_s",
+    "sla_attainment", "preemptions", "kv_overflows", "guard_overrides", "sim_seconds",
+    "wall_seconds", "per_bucket",
+}
+BUCKET_FIELDS = {"completed", "goodput_rps", "sla_attainment", "ttft_p99_s", "tpot_p99_s"}
+
+
+def test_evaluate_writes_one_row_per_controller_trace_rate(azure_trace: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]
+                                                           ) -> None:
+    out = tmp_path / "rows.json"
+    rc = main(["evaluate", "--trace", str(azure_trace), "poisson:rate=2,duration=60,mix=night",
+               "--controllers", "static:{4,16},vllm-default", "--rate-scale", "0.5,1",
+               "--max-requests", "300", "--json", str(out), "--quiet"])
+    assert rc == 0
+    rows = json.loads(out.read_text())
+    assert len(rows) == 2 * 3 * 2
+    assert {(r["controller"], r["trace"], r["rate_scale"]) for r in rows} == {
+        (c, t, s) for c in ("static:4", "static:16", "vllm-default")
+        for t in ("azure_conv_2023", "poisson-night_mix") for s in (0.5, 1.0)}
+    for row in rows:
+        assert row.keys() >= ROW_FIELDS
+        assert set(row["per_bucket"]) == {"0-1k", "1k-2k", "2k-4k", "4k+"}
+        for bucket in row["per_bucket"].values():
+            assert bucket.keys() >= BUCKET_FIELDS
+        assert row["completed"] + row["rejected"] + row["unfinished"] == row["submitted"]
+    table = capsys.readouterr().out
+    assert "goodput/s" in table and "static:16" in table
+
+
+def test_simulate_one_run(azure_trace: Path, tmp_path: Path,
+                          capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "row.json"
+    rc = main(["simulate", "--trace", str(azure_trace), "--controller", "static:16",
+               "--max-requests", "200", "--json", str(out), "--quiet"])
+    assert rc == 0
+    row = json.loads(out.read_text())
+    assert row.keys() >= ROW_FIELDS and row["submitted"] == 200
+    assert "bucket" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--controller", "static:x"], "integer batch size"),
+    (["--controller", "nope"], "unknown controller"),
+    (["--model", "gpt-17"], "gpt-17"),
+    (["--pools", "fp4"], "unknown pool"),
+])
+def test_simulate_bad_arguments_fail_clearly(argv: list[str], message: str, azure_trace: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        rc = main(["simulate", "--trace", str(azure_trace), "--quiet", *argv])
+    except SystemExit as exc:  # argparse rejects malformed values itself
+        rc = int(exc.code or 0)
+    assert rc == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_trace_fails_clearly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["simulate", "--trace", str(tmp_path / "nope.csv"), "--quiet"])
+    assert rc == 2
+    assert "nope.csv" in capsys.readouterr().err
+
+
+def test_profile_check_contract(tmp_path: Path) -> None:
+    out = tmp_path / "check.json"
+    csv = profiling_dir() / "a100_meta-llama_Llama-2-7b-hf_mlp.csv"
+    rc = main(["profile-check", "--gpu", "a100-80g", str(csv), "--json", str(out)])
+    assert rc == 0
+    (entry,) = json.loads(out.read_text())
+    assert {"file", "rows", "median_rel_err", "p90_rel_err"} <= entry.keys()
+    assert entry["rows"] == 1044 and entry["median_rel_err"] <= 0.10
+
+
+def test_module_entry_point_help() -> None:
+    proc = subprocess.run([sys.executable, "-m", "rlbatch", "--help"], capture_output=True,
+                          text=True, check=True)
+    for command in ("evaluate", "simulate", "profile-check"):
+        assert command in proc.stdout
