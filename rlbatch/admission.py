@@ -64,6 +64,8 @@ class Admission:
         n = len(buckets)
         self.queues: list[deque[tuple[Request, int, bool]]] = [deque() for _ in range(n)]
         self.caps: tuple[int | None, ...] = (None,) * n
+        self.kv_budget_fraction: float | None = None
+        self.budget_blocked_in_tick = False
         self.routes: tuple[str, ...] = (engines[0].pool,) * n
         self.rejected: list[FinishedRequest] = []
         self.arrived_in_tick = [0] * n
@@ -80,6 +82,7 @@ class Admission:
                                  f"{sorted(self.pools)}")
         self.caps = action.caps
         self.routes = action.pools
+        self.kv_budget_fraction = action.kv_budget_fraction
         if action.max_num_seqs is not None:
             for eng in self.engines:
                 eng.set_max_num_seqs(action.max_num_seqs)
@@ -108,12 +111,17 @@ class Admission:
 
     def admit(self, engine: Engine) -> int:
         """Move queued requests into ``engine`` while their buckets are under cap (oldest
-        head first across buckets). Returns the number admitted."""
+        head first across buckets) and, with a KV budget in force, while the committed KV
+        stays within it. Under the budget admission is FIFO across buckets: when the oldest
+        eligible request does not fit, nothing younger overtakes it (no bucket starves).
+        Returns the number admitted."""
         admitted = 0
         queues = self.queues
         caps = self.caps
         routes = self.routes
         pool = engine.pool
+        budget = (None if self.kv_budget_fraction is None
+                  else self.kv_budget_fraction * engine.kv_capacity_tokens)
         while True:
             best = -1
             best_arrival = 0.0
@@ -128,23 +136,36 @@ class Admission:
                     best, best_arrival = b, arrival
             if best < 0:
                 return admitted
-            request, prompt, truncated = queues[best].popleft()
+            request, prompt, truncated = queues[best][0]
+            if budget is not None:
+                committed = engine.committed_tokens()
+                if committed > 0 and committed + prompt + request.max_output_tokens > budget:
+                    self.budget_blocked_in_tick = True
+                    return admitted
+            queues[best].popleft()
             engine.add_request(request, best, prompt, truncated)
             admitted += 1
 
     def queued(self) -> tuple[int, ...]:
         return tuple(len(q) for q in self.queues)
 
+    def oldest_wait_s(self, now_s: float) -> tuple[float, ...]:
+        """Per bucket, how long the head of the queue has waited at ``now_s``."""
+        return tuple(max(0.0, now_s - q[0][0].arrival_s) if q else 0.0 for q in self.queues)
+
     def num_queued(self) -> int:
         return sum(len(q) for q in self.queues)
 
-    def take_tick_counters(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Arrivals and rejections per bucket since the last call."""
-        arrived, rejected = tuple(self.arrived_in_tick), tuple(self.rejected_in_tick)
+    def take_tick_counters(self) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
+        """Arrivals and rejections per bucket since the last call, and whether the KV budget
+        held a request back."""
+        out = (tuple(self.arrived_in_tick), tuple(self.rejected_in_tick),
+               self.budget_blocked_in_tick)
         n = len(self.buckets)
         self.arrived_in_tick = [0] * n
         self.rejected_in_tick = [0] * n
-        return arrived, rejected
+        self.budget_blocked_in_tick = False
+        return out
 
     def _least_loaded(self, pool: str) -> Engine:
         engines = self.pools[pool]

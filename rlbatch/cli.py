@@ -26,6 +26,7 @@ from rlbatch.control import SLA, DeploymentStats, controller_specs, make_control
 from rlbatch.deployment import DeploymentSpec, parse_pools
 from rlbatch.report import format_buckets, format_table, write_json
 from rlbatch.runner import run
+from rlbatch.scenarios import make_scenario
 from rlbatch.workload import Workload, build_workload, load_trace, resolve_workload
 
 T = TypeVar("T")
@@ -96,6 +97,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-event-skipping", action="store_true",
                    help="step every iteration (same results, slower; for checking)")
     s = p.add_argument_group("control and SLA")
+    s.add_argument("--cold-start", action="store_true",
+                   help="runs start right after an engine start: the guard's warm-up ramp "
+                        "applies (simulated engines are otherwise warm from t=0)")
     s.add_argument("--tick-s", type=float, default=1.0, help="control interval (engine s)")
     s.add_argument("--sla-ttft-s", type=float, default=2.0, help="TTFT limit per request")
     s.add_argument("--sla-tpot-s", type=float, default=0.1, help="TPOT limit per request")
@@ -118,7 +122,8 @@ def _spec(args: argparse.Namespace) -> DeploymentSpec:
         admission=AdmissionConfig(over_length=args.over_length,
                                   max_queue_len=args.max_queue_len),
         event_skipping=not args.no_event_skipping,
-        sla=SLA(ttft_s=args.sla_ttft_s, tpot_s=args.sla_tpot_s), tick_s=args.tick_s)
+        sla=SLA(ttft_s=args.sla_ttft_s, tpot_s=args.sla_tpot_s), tick_s=args.tick_s,
+        cold_start=args.cold_start)
 
 
 @dataclass(frozen=True)
@@ -140,14 +145,22 @@ def _load(job: _Job) -> Workload:
                           max_requests=job.max_requests, seed=job.seed)
     if job.window is not None:
         raise ValueError(f"--window applies to trace files, not to generator {job.trace!r}")
-    workload = resolve_workload(job.trace, job.seed, rate_scale=job.rate_scale)
-    if job.max_requests is not None and job.max_requests < len(workload):
-        rows = [(r.arrival_s, r.prompt_tokens, r.max_output_tokens, r.prefix_ids)
-                for r in workload.requests[:job.max_requests]]
-        workload = build_workload(rows, name=workload.name, source=workload.source,
-                                  transforms=(*workload.transforms,
-                                              f"first {job.max_requests} requests"))
-    return workload
+    if job.trace.startswith("scenario:"):
+        name, _, duration = job.trace.removeprefix("scenario:").partition(":")
+        workload = make_scenario(name, seed=job.seed, duration_s=float(duration or 900),
+                                 load_scale=job.rate_scale)
+        return _first(workload, job.max_requests)
+    return _first(resolve_workload(job.trace, job.seed, rate_scale=job.rate_scale),
+                  job.max_requests)
+
+
+def _first(workload: Workload, max_requests: int | None) -> Workload:
+    if max_requests is None or max_requests >= len(workload):
+        return workload
+    rows = [(r.arrival_s, r.prompt_tokens, r.max_output_tokens, r.prefix_ids)
+            for r in workload.requests[:max_requests]]
+    return build_workload(rows, name=workload.name, source=workload.source,
+                          transforms=(*workload.transforms, f"first {max_requests} requests"))
 
 
 def _run_job(job: _Job, bar: tqdm[Any] | None = None) -> dict[str, Any]:
@@ -227,8 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run every controller on every trace at every rate scale on the "
                     "simulator; print a table and write one JSON row per run.")
     ev.add_argument("--trace", nargs="+", required=True,
-                    help="trace files (Azure CSV / Mooncake JSONL) or generator specs "
-                         "(poisson:rate=5,duration=600,mix=night)")
+                    help="trace files (Azure CSV / Mooncake JSONL), generator specs "
+                         "(poisson:rate=5,duration=600,mix=night) or scenarios "
+                         "(scenario:night, scenario:day:600; rate scale multiplies the load)")
     ev.add_argument("--controllers", default="static:{4,8,16,32},vllm-default",
                     help="comma-separated controllers; static:{8,16} expands "
                          "(default static:{4,8,16,32},vllm-default)")

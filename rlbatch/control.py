@@ -29,11 +29,16 @@ class ControlAction:
     :param pools: per bucket, the pool (``fp16`` / ``fp8``) its requests are routed to.
     :param max_num_seqs: engine-wide cap on running sequences (vLLM ``--max-num-seqs``;
         live: the scheduler's ``max_num_active_reqs``); ``None`` keeps the engine default.
+    :param kv_budget_fraction: admit a request into an engine only while the KV its
+        requests may need (prompt + max output, committed) stays within this fraction of the
+        KV pool; an empty engine always takes its oldest request. ``None`` = no budget. Set by
+        the guard's KV-budget rule.
     """
 
     caps: tuple[int | None, ...]
     pools: tuple[str, ...]
     max_num_seqs: int | None = None
+    kv_budget_fraction: float | None = None
 
     def __post_init__(self) -> None:
         if len(self.caps) != len(self.pools):
@@ -44,6 +49,9 @@ class ControlAction:
                 raise ValueError(f"bucket caps must be >= 1 or None, got {self.caps}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1 or None, got {self.max_num_seqs}")
+        if self.kv_budget_fraction is not None and not 0 < self.kv_budget_fraction <= 1:
+            raise ValueError(f"kv_budget_fraction must be in (0, 1] or None, got "
+                             f"{self.kv_budget_fraction}")
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,9 @@ class DeploymentInfo:
     :param max_model_len: longest sequence an engine accepts.
     :param tick_s: control interval.
     :param sla: the SLA in force.
+    :param cold_start: the engines have just started (cold caches, graphs still compiling):
+        the guard's warm-up ramp applies. Simulated engines are warm from t=0 and a trace
+        slice starts mid-service, so simulated runs say ``False`` unless asked otherwise.
     """
 
     buckets: Buckets
@@ -92,6 +103,7 @@ class DeploymentInfo:
     max_model_len: int
     tick_s: float
     sla: SLA
+    cold_start: bool = False
 
     @property
     def pool_names(self) -> tuple[str, ...]:
@@ -134,6 +146,9 @@ class DeploymentStats:
     :param rejected: per bucket, requests refused during the tick.
     :param window: sliding-window latency percentiles.
     :param action: the action in force during the tick.
+    :param kv_budget_blocked: the KV budget held a request back during the tick.
+    :param oldest_wait_s: per bucket, how long the head of its admission queue has waited
+        (0 when empty).
     """
 
     time_s: float
@@ -144,6 +159,8 @@ class DeploymentStats:
     rejected: tuple[int, ...]
     window: WindowStats
     action: ControlAction
+    kv_budget_blocked: bool = False
+    oldest_wait_s: tuple[float, ...] = ()
 
 
 @runtime_checkable

@@ -62,6 +62,8 @@ class DeploymentSpec:
     :param event_skipping: advance pure-decode runs in one go (identical results; faster).
     :param sla: SLA used by metrics and controllers.
     :param tick_s: control interval.
+    :param cold_start: treat the run as starting right after an engine start (the guard's
+        warm-up ramp applies); the simulator itself has no cold-start cost.
     """
 
     gpu: str = "a100-80g"
@@ -78,6 +80,7 @@ class DeploymentSpec:
     event_skipping: bool = True
     sla: SLA = field(default_factory=SLA)
     tick_s: float = 1.0
+    cold_start: bool = False
 
     def __post_init__(self) -> None:
         if not self.pools:
@@ -204,6 +207,6 @@ def build_deployment(spec: DeploymentSpec) -> Deployment:
         buckets=spec.buckets, pools=dict(spec.pools), gpu=gpu.name, model=model.name,
         default_max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
         num_kv_blocks=num_blocks, block_size=EngineConfig.block_size, max_model_len=max_model_len,
-        tick_s=spec.tick_s, sla=spec.sla)
+        tick_s=spec.tick_s, sla=spec.sla, cold_start=spec.cold_start)
     admission = Admission(engines, spec.buckets, max_model_len, spec.admission)
     return Deployment(engines, admission, info)

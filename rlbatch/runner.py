@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from rlbatch.control import Controller, DeploymentStats
 from rlbatch.deployment import DeploymentSpec, build_deployment
 from rlbatch.engine.stats import FinishedRequest
-from rlbatch.metrics import RunTotals, SlidingWindow, summarize
+from rlbatch.loop import ControlLoop
 from rlbatch.workload import Workload
 
 TickCallback = Callable[[DeploymentStats], None]
@@ -55,41 +55,16 @@ def run(
     """
     wall_start = time.perf_counter()
     deployment = build_deployment(spec)
-    deployment.load(workload.requests)
-    info = deployment.info
-    action = controller.reset(info)
-    deployment.apply(action)
-    window = SlidingWindow(info.buckets, info.sla, window_s)
-    totals = RunTotals()
-    records: list[FinishedRequest] = []
-    tick_s = spec.tick_s
-    deadline = deployment.last_arrival_s + drain_s
-    tick = 0
+    loop = ControlLoop(deployment, workload.requests, controller.reset(deployment.info),
+                       window_s=window_s, drain_s=drain_s)
     while True:
-        tick += 1
-        t = tick * tick_s
-        deployment.run_until(t)
-        engine_stats = deployment.snapshot()
-        for es in engine_stats:
-            totals.add(es)
-            records.extend(es.finished)
-            window.add(es.finished)
-        admission = deployment.admission
-        records.extend(admission.rejected)
-        admission.rejected.clear()
-        arrived, rejected = admission.take_tick_counters()
-        stats = DeploymentStats(
-            time_s=t, tick_s=tick_s, engines=engine_stats, queued=admission.queued(),
-            arrived=arrived, rejected=rejected, window=window.stats(t), action=action)
+        stats = loop.tick()
         if on_tick is not None:
             on_tick(stats)
-        if deployment.done() or t >= deadline:
+        if loop.finished:
             break
-        action = controller.decide(stats)
-        deployment.apply(action)
-
-    makespan = max([r.finish_s for r in records], default=0.0)
-    makespan = max(makespan, deployment.last_arrival_s)
+        loop.apply(controller.decide(stats))
+    info = deployment.info
     row: dict[str, Any] = {
         "controller": controller.name,
         "trace": workload.name,
@@ -98,15 +73,8 @@ def run(
         "model": info.model,
         "pools": ",".join(f"{p}:{n}" for p, n in info.pools.items()),
     }
-    row.update(summarize(records, info.buckets, info.sla, makespan, totals,
-                         submitted=len(workload.requests), unfinished=deployment.unfinished()))
+    row.update(loop.summary())
     row["guard_overrides"] = int(getattr(controller, "guard_overrides_total", 0))
-    row["sim_seconds"] = makespan
     row["wall_seconds"] = time.perf_counter() - wall_start
-    row["speedup_x"] = makespan / row["wall_seconds"] if row["wall_seconds"] > 0 else 0.0
-    return RunResult(row=row, records=records)
-
-
-def with_event_skipping(spec: DeploymentSpec, enabled: bool) -> DeploymentSpec:
-    """A copy of ``spec`` with event skipping switched on or off."""
-    return replace(spec, event_skipping=enabled)
+    row["speedup_x"] = row["sim_seconds"] / row["wall_seconds"] if row["wall_seconds"] > 0 else 0.0
+    return RunResult(row=row, records=loop.records)

@@ -40,6 +40,16 @@ class Engine(Protocol):
         """Requests inside the engine (running or waiting)."""
         ...
 
+    def committed_tokens(self) -> int:
+        """Prompt + max output tokens of every request inside the engine: the KV it will need
+        if every request runs to its limit."""
+        ...
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the KV cache pool holds (blocks x block size)."""
+        ...
+
     def add_request(self, request: Request, bucket: int, prompt_tokens: int,
                     truncated: bool) -> None:
         """Hand a request to the engine's own waiting queue (vLLM ``add_request``)."""

@@ -114,6 +114,7 @@ class SimEngine:
         self._running: list[_Seq] = []
         self._waiting: deque[_Seq] = deque()
         self._unfinished = [0] * num_buckets
+        self._committed_tokens = 0
         self._decode_coeffs: dict[int, tuple[float, float]] = {}
         # interval counters, reset by every snapshot
         self._interval_start = start_s
@@ -147,6 +148,13 @@ class SimEngine:
     def num_unfinished_total(self) -> int:
         return len(self._running) + len(self._waiting)
 
+    def committed_tokens(self) -> int:
+        return self._committed_tokens
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_kv_blocks * self._block_size
+
     def is_idle(self) -> bool:
         return not self._running and not self._waiting
 
@@ -164,6 +172,7 @@ class SimEngine:
                 f"{request.max_output_tokens} exceeds max_model_len {self.max_model_len}")
         self._waiting.append(_Seq(request, bucket, prompt_tokens, truncated))
         self._unfinished[bucket] += 1
+        self._committed_tokens += prompt_tokens + request.max_output_tokens
 
     # ----------------------------------------------------------------- scheduling
     def step(self, bound_s: float) -> None:
@@ -341,6 +350,7 @@ class SimEngine:
         self._free_blocks += seq.blocks
         seq.blocks = 0
         self._unfinished[seq.bucket] -= 1
+        self._committed_tokens -= seq.prompt_len + seq.max_output
         tpot = (now - seq.first_token_s) / (seq.num_output - 1) if seq.num_output > 1 else 0.0
         self._finished.append(FinishedRequest(
             request_id=seq.request_id,
@@ -392,6 +402,8 @@ class SimEngine:
             waiting=tuple(waiting),
             kv_cache_usage=used / self.num_kv_blocks,
             kv_cache_usage_peak=self._peak_used_blocks / self.num_kv_blocks,
+            committed_tokens=self._committed_tokens,
+            kv_capacity_tokens=self.kv_capacity_tokens,
             num_kv_blocks=self.num_kv_blocks,
             # vLLM pre-allocates its whole budget (weights, activations, KV pool) at start-up.
             gpu_memory_used_bytes=int(self.gpu_memory_total_bytes

@@ -68,6 +68,9 @@ class EngineStats:
     :param waiting: sequences per bucket inside the engine waiting for their (re)prefill.
     :param kv_cache_usage: fraction of KV blocks in use at ``time_s``.
     :param kv_cache_usage_peak: highest fraction of KV blocks in use during the interval.
+    :param committed_tokens: prompt + max output tokens of the requests inside the engine
+        (the KV they need if all run to their limit).
+    :param kv_capacity_tokens: tokens the KV pool holds.
     :param num_kv_blocks: KV blocks in the pool.
     :param gpu_memory_used_bytes: GPU memory in use (the simulator models vLLM's
         pre-allocation: weights + activation reserve + the whole KV pool).
@@ -91,6 +94,8 @@ class EngineStats:
     waiting: tuple[int, ...]
     kv_cache_usage: float
     kv_cache_usage_peak: float
+    committed_tokens: int
+    kv_capacity_tokens: int
     num_kv_blocks: int
     gpu_memory_used_bytes: int
     gpu_memory_total_bytes: int

@@ -1,0 +1,256 @@
+"""BatchSizeEnv: choose per-bucket batch caps and pools for an LLM serving engine."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+from rlbatch.admission import AdmissionConfig
+from rlbatch.buckets import Buckets
+from rlbatch.control import SLA, ControlAction, DeploymentInfo, DeploymentStats
+from rlbatch.deployment import DeploymentSpec, build_deployment, parse_pools
+from rlbatch.guard import Guard, GuardConfig
+from rlbatch.loop import ControlLoop
+from rlbatch.observation import CLIP, GLOBAL_FEATURES, PER_BUCKET_FEATURES, ObservationBuilder
+from rlbatch.paths import default_training_traces
+from rlbatch.reward import RewardConfig, compute_reward
+from rlbatch.scenarios import SCENARIOS, ScenarioSampler, make_scenario
+from rlbatch.workload import Workload
+
+
+class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
+    """Per-bucket batch caps and precision pools for a vLLM-style serving engine.
+
+    ## Description
+    Requests arrive from a real trace slice or a generator and wait in one FIFO queue per
+    prompt-length bucket (default ``0-1k``, ``1k-2k``, ``2k-4k``, ``4k+`` tokens). An engine
+    (the vLLM V1 simulator by default) runs them with continuous batching, chunked prefill
+    and a paged KV cache. Every control tick (``tick_s`` of engine time, 1 s by default) the
+    agent sets, per bucket, the cap (most requests of that bucket an engine holds at once)
+    and the pool (``fp16`` or ``fp8`` KV cache) the bucket is routed to. A hard rule-based
+    :class:`~rlbatch.guard.Guard` turns the proposal into a safe action first (warm-up ramp,
+    KV-usage and P99 circuit breakers, efficiency monitor, committed-KV admission budget);
+    its overrides are penalised and reported.
+
+    ## Action space
+    ``MultiDiscrete([L, P] * B)``: for each bucket ``b`` in order, ``action[2b]`` is an index
+    into the cap ladder (default ``1, 2, 4, 8, 12, 16, 24, 32, 48, 64``, ``L = 10``) and
+    ``action[2b + 1]`` an index into the deployment's pools (``P = 1`` when it has one pool,
+    so that dimension is fixed at 0). Anything else raises ``ValueError``.
+
+    ## Observation space
+    ``Box(0, 10, (8 B + 13,), float32)``; every feature is normalised and clipped to [0, 10].
+
+    | index | feature | unit / normalisation |
+    |---|---|---|
+    | 8b+0 | queue length of bucket b | log1p(requests) / log1p(1000) |
+    | 8b+1 | arrival rate of bucket b in the last tick | log1p(req/s) / log1p(100) |
+    | 8b+2 | requests of bucket b inside engines (running + engine-waiting) | / ladder max |
+    | 8b+3 | cap in force for bucket b | / ladder max |
+    | 8b+4 | pool in force for bucket b | pool index / (pools - 1) |
+    | 8b+5 | TTFT P99 of bucket b over the last 30 s | / SLA TTFT (0: no completions) |
+    | 8b+6 | TPOT P99 of bucket b over the last 30 s | / SLA TPOT (0: no completions) |
+    | 8b+7 | wait of bucket b's oldest queued request | / SLA TTFT |
+    | 8B+0 | KV cache usage (max over engines) | fraction |
+    | 8B+1 | committed KV (prompt + max output admitted) | fraction of the KV pool |
+    | 8B+2 | GPU memory used | fraction (simulator: vLLM's pre-allocation) |
+    | 8B+3 | preemptions | log1p(per s) |
+    | 8B+4 | output throughput | log1p(tokens/s) / log1p(10000) |
+    | 8B+5 | batch efficiency in the tick | useful / computed tokens |
+    | 8B+6 | SLA attainment over the window | fraction (1: no completions) |
+    | 8B+7 | warm-up progress | time / warm-up length, clipped to 1 |
+    | 8B+8..12 | guard rule active: warmup, kv_high, p99, efficiency, kv_budget | 0 / 1 |
+
+    ## Rewards
+    Per tick (see :mod:`rlbatch.reward`)::
+
+        r = (met - 0.5 missed) / norm - 0.2 late_queue - 0.05 preemptions / norm
+            - 1.0 [kv_overflow] - 0.02 overrides / B - 0.015 met_fp8 / norm
+            + 0.2 (worst bucket attainment - 1)
+
+    with ``norm`` the episode's expected arrivals per tick. ``info["reward_parts"]`` holds
+    every component.
+
+    ## Starting state
+    An idle deployment at time 0; the workload of the episode is drawn from the scenario
+    (a trace slice at a random rate scale, or a Poisson / bursty / diurnal generator with a
+    random rate and length mix) using ``self.np_random``.
+
+    ## Episode end
+    ``truncated`` once every request of the episode's workload has finished or been rejected,
+    or ``drain_s`` after its last arrival (the service goes on; nothing terminates). The
+    registration adds a ``max_episode_steps`` time limit.
+
+    ## Arguments
+    ``gymnasium.make("rlbatch/BatchSize-v0", scenario="mixed", traces=None,
+    episode_s=600, tick_s=1.0, drain_s=120, gpu="a100-80g", model="llama-2-7b",
+    pools="fp16", ladder=None, guard=None, reward=None, sla=None, buckets=None,
+    load_scale=1.0)``
+
+    * ``scenario``: ``mixed`` (trace slices + generators), a named scenario (``day``,
+      ``night``, ``bursty``, ``diurnal``), or a trace file path (random slices of it).
+    * ``traces``: training traces for ``mixed`` (default: the shipped Azure trace).
+    * ``pools``: ``fp16``, ``fp8`` or ``fp16:1,fp8:1`` (then the pool action is live).
+    * ``guard``: a :class:`~rlbatch.guard.GuardConfig` (default: the guide's rules).
+
+    ## Version history
+    * v0: initial version.
+    """
+
+    metadata: dict[str, Any] = {"render_modes": []}  # noqa: RUF012 (gymnasium convention)
+
+    def __init__(
+        self,
+        scenario: str = "mixed",
+        traces: tuple[str | Path, ...] | None = None,
+        episode_s: float = 600.0,
+        tick_s: float = 1.0,
+        drain_s: float = 120.0,
+        gpu: str = "a100-80g",
+        model: str = "llama-2-7b",
+        pools: str = "fp16",
+        ladder: tuple[int, ...] | None = None,
+        guard: GuardConfig | None = None,
+        reward: RewardConfig | None = None,
+        sla: SLA | None = None,
+        buckets: Buckets | None = None,
+        load_scale: float = 1.0,
+        window_s: float = 30.0,
+    ) -> None:
+        super().__init__()
+        if not episode_s > 0 or not tick_s > 0 or not drain_s >= 0:
+            raise ValueError(f"episode_s and tick_s must be > 0 and drain_s >= 0, got "
+                             f"{episode_s}, {tick_s}, {drain_s}")
+        guard_cfg = guard or GuardConfig()
+        if ladder is not None:
+            guard_cfg = replace(guard_cfg, ladder=tuple(ladder))
+        self.guard = Guard(guard_cfg)
+        self.ladder = guard_cfg.ladder
+        self.reward_cfg = reward or RewardConfig()
+        self.scenario = scenario
+        self.episode_s = episode_s
+        self.drain_s = drain_s
+        self.window_s = window_s
+        self.load_scale = load_scale
+        self.deployment_spec = DeploymentSpec(
+            gpu=gpu, model=model, pools=parse_pools(pools), buckets=buckets or Buckets(),
+            sla=sla or SLA(), tick_s=tick_s, max_model_len=guard_cfg.max_seq_len,
+            admission=AdmissionConfig(over_length=guard_cfg.over_length))
+        self.pool_names = tuple(self.deployment_spec.pools)
+        n_b = len(self.deployment_spec.buckets)
+        self.action_space = spaces.MultiDiscrete(
+            np.array([len(self.ladder), len(self.pool_names)] * n_b, dtype=np.int64))
+        size = n_b * len(PER_BUCKET_FEATURES) + len(GLOBAL_FEATURES)
+        self.observation_space = spaces.Box(0.0, CLIP, shape=(size,), dtype=np.float32)
+        if scenario == "mixed":
+            self._sampler: ScenarioSampler | None = ScenarioSampler(
+                tuple(traces) if traces is not None else default_training_traces(),
+                load_scale=load_scale)
+        elif scenario in SCENARIOS:
+            self._sampler = None
+        else:
+            self._sampler = ScenarioSampler((scenario,), trace_fraction=1.0,
+                                            load_scale=load_scale)
+        self._loop: ControlLoop | None = None
+        self._info: DeploymentInfo | None = None
+        self._builder: ObservationBuilder | None = None
+        self._last_stats: DeploymentStats | None = None
+        self._norm = 1.0
+        self.workload: Workload | None = None
+
+    # ------------------------------------------------------------------ gym API
+    def reset(self, *, seed: int | None = None,
+              options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict[str, Any]]:
+        super().reset(seed=seed)
+        workload = (options or {}).get("workload")
+        if workload is None:
+            workload = self._draw_workload()
+        self.workload = workload
+        deployment = build_deployment(self.deployment_spec)
+        info = deployment.info
+        self._info = info
+        self.guard.reset(info)
+        initial, _ = self.guard.check(None, None)
+        self._loop = ControlLoop(deployment, workload.requests, initial,
+                                 window_s=self.window_s, drain_s=self.drain_s)
+        self._builder = ObservationBuilder(info, self.guard.config.max_cap,
+                                           self.guard.config.warmup_s)
+        self._last_stats = None
+        rate = len(workload) / max(workload.duration_s, self.deployment_spec.tick_s)
+        self._norm = max(rate * self.deployment_spec.tick_s, 1e-3)
+        return self._builder.initial(), {"workload": workload.name,
+                                         "requests": len(workload)}
+
+    def step(self, action: np.ndarray) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        if self._loop is None or self._builder is None or self._info is None:
+            raise RuntimeError("call reset() before step()")
+        proposed = self.decode_action(action)
+        safe, overrides = self.guard.check(proposed, self._last_stats)
+        self._loop.apply(safe)
+        stats = self._loop.tick()
+        self._last_stats = stats
+        reward, parts = compute_reward(stats, len(overrides), self._norm, self._info.sla,
+                                       self.reward_cfg)
+        obs = self._builder.build(stats, self.guard.flags())
+        truncated = self._loop.finished
+        info: dict[str, Any] = {
+            "time_s": stats.time_s,
+            "reward_parts": parts,
+            "overrides": [o.rule for o in overrides],
+            "caps": safe.caps,
+            "pools": safe.pools,
+            "stats": stats,
+        }
+        if truncated:
+            info["episode_summary"] = self._loop.summary()
+        return obs, reward, False, truncated, info
+
+    # ------------------------------------------------------------------ helpers
+    def decode_action(self, action: np.ndarray | list[int] | tuple[int, ...]) -> ControlAction:
+        """MultiDiscrete action -> ControlAction; raises ValueError on anything invalid."""
+        arr = np.asarray(action)
+        n_b = len(self.deployment_spec.buckets)
+        if arr.shape != (2 * n_b,):
+            raise ValueError(f"action must have shape ({2 * n_b},), got {arr.shape}: {action}")
+        if not np.issubdtype(arr.dtype, np.integer):
+            if not np.all(np.isfinite(arr)) or not np.all(arr == np.round(arr)):
+                raise ValueError(f"action must hold integers, got {action}")
+            arr = arr.astype(np.int64)
+        caps: list[int] = []
+        pools: list[str] = []
+        for b in range(n_b):
+            ci, pi = int(arr[2 * b]), int(arr[2 * b + 1])
+            if not 0 <= ci < len(self.ladder):
+                raise ValueError(f"bucket {b}: cap index {ci} outside [0, {len(self.ladder)})")
+            if not 0 <= pi < len(self.pool_names):
+                raise ValueError(f"bucket {b}: pool index {pi} outside "
+                                 f"[0, {len(self.pool_names)})")
+            caps.append(self.ladder[ci])
+            pools.append(self.pool_names[pi])
+        return ControlAction(tuple(caps), tuple(pools))
+
+    def encode_action(self, action: ControlAction) -> np.ndarray:
+        """ControlAction -> nearest MultiDiscrete action (cap rounded down the ladder)."""
+        out: list[int] = []
+        for cap, pool in zip(action.caps, action.pools, strict=True):
+            c = self.ladder[-1] if cap is None else cap
+            idx = max((i for i, v in enumerate(self.ladder) if v <= c), default=0)
+            out.extend([idx, self.pool_names.index(pool) if pool in self.pool_names else 0])
+        return np.array(out, dtype=np.int64)
+
+    def _draw_workload(self) -> Workload:
+        rng = self.np_random
+        if self._sampler is not None:
+            return self._sampler.sample(rng, self.episode_s)
+        return make_scenario(self.scenario, seed=int(rng.integers(2**31)),
+                             duration_s=self.episode_s, load_scale=self.load_scale)
+
+    @property
+    def deployment_info(self) -> DeploymentInfo | None:
+        return self._info
+

@@ -1,0 +1,203 @@
+"""Rule controllers: the tuning guide's playbook, AIMD on P99, and a random policy.
+
+All three propose an action and pass it through the same :class:`~rlbatch.guard.Guard` the
+PPO agent learns behind; ``guard_overrides_total`` counts what the guard changed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from rlbatch.control import ControlAction, DeploymentInfo, DeploymentStats
+from rlbatch.guard import Guard, GuardConfig
+
+
+class GuardedController:
+    """Shared machinery: a proposal rule behind the guard.
+
+    :param name: controller name as the command line spells it.
+    :param guard: the guard configuration.
+    """
+
+    def __init__(self, name: str, guard: GuardConfig | None = None) -> None:
+        self.name = name
+        self.guard = Guard(guard or GuardConfig())
+        self.info: DeploymentInfo | None = None
+
+    @property
+    def guard_overrides_total(self) -> int:
+        return self.guard.overrides_total
+
+    def reset(self, info: DeploymentInfo) -> ControlAction:
+        self.info = info
+        self.guard.reset(info)
+        self.on_reset(info)
+        action, _ = self.guard.check(self.propose(None), None)
+        return action
+
+    def decide(self, stats: DeploymentStats) -> ControlAction:
+        action, _ = self.guard.check(self.propose(stats), stats)
+        return action
+
+    def on_reset(self, info: DeploymentInfo) -> None:
+        """Hook for per-run state."""
+
+    def propose(self, stats: DeploymentStats | None) -> ControlAction:
+        raise NotImplementedError
+
+
+# The guide's "P99 > SLA -> fall back to no batching", applied to TPOT: the latency a batch
+# size inflates. Applied to TTFT too (``playbook:literal``) one queueing burst trips it, cap 1
+# then grows the queue, P99 never recovers and the service collapses (measured: night
+# scenario, 2 of 3 seeds).
+PLAYBOOK_GUARD = GuardConfig(p99_metrics=("tpot",), p99_fallback="no_batching")
+PLAYBOOK_LITERAL_GUARD = GuardConfig(p99_metrics=("ttft", "tpot"), p99_fallback="no_batching")
+
+
+class PlaybookController(GuardedController):
+    """``playbook``: the operator tuning guide's whole playbook.
+
+    Length routing (short prompts -> cap ``short_cap`` 32, long -> ``long_cap`` 8, split at
+    ``long_from_tokens`` 2048), behind the guide's rules in the guard: warm-up ramp (4, +4 per
+    minute for 5 minutes), KV > 80% for 10 s halves caps, P99 > SLA falls back to no
+    batching (cap 1) until it recovers, batch efficiency < 70% shrinks caps, committed KV
+    within 80% of the pool (>= 20% headroom).
+
+    :param short_cap: cap of the short-prompt buckets.
+    :param long_cap: cap of the long-prompt buckets.
+    :param long_from_tokens: buckets starting at or above this prompt length are long.
+    :param guard: guard configuration (default: the guide's literal rules).
+    """
+
+    def __init__(self, short_cap: int = 32, long_cap: int = 8, long_from_tokens: int = 2048,
+                 guard: GuardConfig | None = None) -> None:
+        super().__init__("playbook", guard or PLAYBOOK_GUARD)
+        self.short_cap = short_cap
+        self.long_cap = long_cap
+        self.long_from_tokens = long_from_tokens
+        self._caps: tuple[int, ...] = ()
+
+    def on_reset(self, info: DeploymentInfo) -> None:
+        lows = (0, *info.buckets.edges)
+        self._caps = tuple(self.long_cap if low >= self.long_from_tokens else self.short_cap
+                           for low in lows)
+
+    def propose(self, stats: DeploymentStats | None) -> ControlAction:
+        assert self.info is not None
+        pool = self.info.pool_names[0]
+        return ControlAction(self._caps, (pool,) * len(self._caps))
+
+
+class AimdController(GuardedController):
+    """``aimd``: Clipper-style additive increase / multiplicative decrease on P99, per bucket.
+
+    Each tick a bucket whose window TPOT P99 exceeds ``target`` x its SLA limit (or whose
+    TTFT P99 does while nothing queues: prefill contention, not queueing) has its cap
+    multiplied by ``decrease``; otherwise, if it has work waiting, the cap grows by
+    ``increase``. A TTFT breach with a queue is queueing delay, which a smaller cap only
+    makes worse.
+
+    :param start_cap: initial cap.
+    :param increase: additive step.
+    :param decrease: multiplicative factor on breach.
+    :param target: fraction of the SLA aimed at (headroom below the limit).
+    """
+
+    def __init__(self, start_cap: int = 8, increase: int = 1, decrease: float = 0.5,
+                 target: float = 0.9, guard: GuardConfig | None = None) -> None:
+        super().__init__("aimd", guard)
+        if start_cap < 1 or increase < 0 or not 0 < decrease < 1 or not 0 < target <= 1:
+            raise ValueError(f"aimd needs start_cap >= 1, increase >= 0, 0 < decrease < 1, "
+                             f"0 < target <= 1; got {start_cap}, {increase}, {decrease}, "
+                             f"{target}")
+        self.start_cap = start_cap
+        self.increase = increase
+        self.decrease = decrease
+        self.target = target
+        self._caps: list[float] = []
+
+    def on_reset(self, info: DeploymentInfo) -> None:
+        self._caps = [float(self.start_cap)] * len(info.buckets)
+
+    def propose(self, stats: DeploymentStats | None) -> ControlAction:
+        assert self.info is not None
+        max_cap = self.guard.config.max_cap
+        sla = self.info.sla
+        if stats is not None:
+            w = stats.window
+            for b in range(len(self._caps)):
+                breach = (w.tpot_p99_s[b] > self.target * sla.tpot_s
+                          or (w.ttft_p99_s[b] > self.target * sla.ttft_s
+                              and stats.queued[b] == 0))
+                if breach:
+                    self._caps[b] = max(1.0, self._caps[b] * self.decrease)
+                elif stats.queued[b] > 0:
+                    self._caps[b] = min(float(max_cap), self._caps[b] + self.increase)
+        pool = self.info.pool_names[0]
+        return ControlAction(tuple(max(1, int(c)) for c in self._caps),
+                             (pool,) * len(self._caps))
+
+
+class RandomController(GuardedController):
+    """``random[:SEED]``: a uniformly random cap and pool per bucket every tick, behind the
+    guard (shows the guard alone keeps the service memory-safe).
+
+    :param seed: RNG seed.
+    """
+
+    def __init__(self, seed: int = 0, guard: GuardConfig | None = None) -> None:
+        super().__init__("random" if seed == 0 else f"random:{seed}", guard)
+        self.seed = seed
+        self._rng = np.random.default_rng(seed)
+
+    def on_reset(self, info: DeploymentInfo) -> None:
+        self._rng = np.random.default_rng(self.seed)
+
+    def propose(self, stats: DeploymentStats | None) -> ControlAction:
+        assert self.info is not None
+        ladder = self.guard.config.ladder
+        pools = self.info.pool_names
+        n = len(self.info.buckets)
+        caps = tuple(int(ladder[i]) for i in self._rng.integers(len(ladder), size=n))
+        chosen = tuple(pools[i] for i in self._rng.integers(len(pools), size=n))
+        return ControlAction(caps, chosen)
+
+
+def _no_arg(name: str, arg: str) -> None:
+    if arg:
+        raise ValueError(f"{name} takes no argument, got {name}:{arg}")
+
+
+def playbook_factory(arg: str) -> PlaybookController:
+    """``playbook``, ``playbook:literal`` (no-batching fallback on TTFT too) or
+    ``playbook:guard`` (the routing behind the default guard)."""
+    variants = {"": PLAYBOOK_GUARD, "literal": PLAYBOOK_LITERAL_GUARD, "guard": GuardConfig()}
+    if arg not in variants:
+        raise ValueError(f"playbook variants: playbook, playbook:literal, playbook:guard; "
+                         f"got playbook:{arg}")
+    controller = PlaybookController(guard=variants[arg])
+    if arg:
+        controller.name = f"playbook:{arg}"
+    return controller
+
+
+def aimd_factory(arg: str) -> AimdController:
+    _no_arg("aimd", arg)
+    return AimdController()
+
+
+def random_factory(arg: str) -> RandomController:
+    try:
+        seed = int(arg) if arg else 0
+    except ValueError:
+        raise ValueError(f"random takes an integer seed, e.g. random:3; got random:{arg}") \
+            from None
+    return RandomController(seed)
+
+
+def unguarded(config: GuardConfig) -> GuardConfig:
+    """A config with every rule off except sanitising (for ablations)."""
+    return replace(config, warmup=False, kv_high=False, p99=False, efficiency=False,
+                   kv_budget=False)

@@ -1,0 +1,140 @@
+"""The observation vector: built from one DeploymentStats snapshot, for PPO and the sidecar.
+
+The env and the sidecar both call :class:`ObservationBuilder`; nothing else builds
+observations. Every feature is finite and clipped to ``[0, CLIP]``; NaN readings become 0
+(latency: "no completions in the window") or 1 (memory: "assume full").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from rlbatch.control import DeploymentInfo, DeploymentStats
+
+CLIP = 10.0
+
+PER_BUCKET_FEATURES: tuple[str, ...] = (
+    "queue_len",         # log1p(queued) / log1p(1000)
+    "arrival_rate",      # log1p(arrivals per s) / log1p(100)
+    "running",           # requests inside engines / ladder max
+    "cap",               # cap in force / ladder max
+    "pool",              # index of the pool in force / (pools - 1), 0 with one pool
+    "ttft_p99",          # window TTFT P99 / SLA TTFT
+    "tpot_p99",          # window TPOT P99 / SLA TPOT
+    "oldest_wait",       # wait of the queue head / SLA TTFT
+)
+GLOBAL_FEATURES: tuple[str, ...] = (
+    "kv_cache_usage",    # max over engines, fraction
+    "kv_committed",      # committed KV (prompt + max output) / pool, max over engines
+    "gpu_memory_used",   # used / total, max over engines
+    "preemption_rate",   # log1p(preemptions per s)
+    "throughput",        # log1p(output tokens per s) / log1p(10000)
+    "batch_efficiency",  # 1 - recomputed / computed tokens in the tick
+    "sla_attainment",    # window completions meeting the SLA / completions (1 if none)
+    "warmup_progress",   # time / warm-up length, clipped to 1
+    "guard_warmup",      # guard flags: 0/1
+    "guard_kv_high",
+    "guard_p99",
+    "guard_efficiency",
+    "guard_kv_budget",
+)
+
+
+def observation_size(num_buckets: int) -> int:
+    return num_buckets * len(PER_BUCKET_FEATURES) + len(GLOBAL_FEATURES)
+
+
+def feature_names(bucket_names: tuple[str, ...]) -> list[str]:
+    """Name of every observation index, in order."""
+    names = [f"{b}/{f}" for b in bucket_names for f in PER_BUCKET_FEATURES]
+    return names + list(GLOBAL_FEATURES)
+
+
+def _finite(x: float, nan: float = 0.0) -> float:
+    if math.isnan(x):
+        return nan
+    return min(max(x, 0.0), CLIP)
+
+
+@dataclass(frozen=True)
+class ObservationBuilder:
+    """Turns stats into the normalised float32 observation.
+
+    :param info: the deployment (buckets, pools, SLA).
+    :param max_cap: the cap ladder's top (normaliser for caps and running counts).
+    :param warmup_s: warm-up length (normaliser for the progress feature).
+    """
+
+    info: DeploymentInfo
+    max_cap: int
+    warmup_s: float = 300.0
+
+    @property
+    def size(self) -> int:
+        return observation_size(len(self.info.buckets))
+
+    def initial(self) -> np.ndarray:
+        """Observation before the first tick: idle deployment, nothing measured."""
+        obs = np.zeros(self.size, dtype=np.float32)
+        obs[-len(GLOBAL_FEATURES) + GLOBAL_FEATURES.index("batch_efficiency")] = 1.0
+        obs[-len(GLOBAL_FEATURES) + GLOBAL_FEATURES.index("sla_attainment")] = 1.0
+        return obs
+
+    def build(self, stats: DeploymentStats, guard_flags: tuple[float, ...]) -> np.ndarray:
+        info = self.info
+        n_b = len(info.buckets)
+        tick = stats.tick_s if stats.tick_s > 0 else 1.0
+        sla = info.sla
+        pools = info.pool_names
+        running = [0] * n_b
+        for es in stats.engines:
+            for b in range(n_b):
+                running[b] += es.running[b] + es.waiting[b]
+        out: list[float] = []
+        log_q = math.log1p(1000.0)
+        log_r = math.log1p(100.0)
+        w = stats.window
+        for b in range(n_b):
+            cap = stats.action.caps[b]
+            pool = stats.action.pools[b]
+            out.append(math.log1p(max(stats.queued[b], 0)) / log_q)
+            out.append(math.log1p(max(stats.arrived[b], 0) / tick) / log_r)
+            out.append(running[b] / self.max_cap)
+            out.append((self.max_cap if cap is None else cap) / self.max_cap)
+            out.append(pools.index(pool) / (len(pools) - 1) if len(pools) > 1 and pool in pools
+                       else 0.0)
+            out.append(w.ttft_p99_s[b] / sla.ttft_s)
+            out.append(w.tpot_p99_s[b] / sla.tpot_s)
+            out.append((stats.oldest_wait_s[b] if stats.oldest_wait_s else 0.0) / sla.ttft_s)
+        engines = stats.engines
+        kv = max((e.kv_cache_usage for e in engines), default=0.0)
+        committed = max((e.committed_tokens / e.kv_capacity_tokens for e in engines
+                         if e.kv_capacity_tokens > 0), default=0.0)
+        mem = max((e.gpu_memory_used_bytes / e.gpu_memory_total_bytes for e in engines
+                   if e.gpu_memory_total_bytes > 0), default=0.0)
+        preempt = sum(e.preemptions for e in engines) / tick
+        decode = sum(e.decode_tokens for e in engines) / tick
+        computed = sum(e.prefill_tokens + e.decode_tokens for e in engines)
+        wasted = sum(e.recomputed_tokens for e in engines)
+        completed = sum(w.completed)
+        out.extend([
+            kv,
+            committed,
+            mem,
+            math.log1p(max(preempt, 0.0)),
+            math.log1p(max(decode, 0.0)) / math.log1p(10000.0),
+            1.0 - wasted / computed if computed > 0 else 1.0,
+            sum(w.sla_met) / completed if completed else 1.0,
+            min(stats.time_s / self.warmup_s, 1.0) if self.warmup_s > 0 else 1.0,
+            *guard_flags,
+        ])
+        obs = np.array([_finite(x) for x in out], dtype=np.float32)
+        # Memory readings that are not numbers must not look like an empty cache.
+        g = n_b * len(PER_BUCKET_FEATURES)
+        for i in (0, 1, 2):
+            if math.isnan(out[g + i]):
+                obs[g + i] = 1.0
+        return obs
