@@ -33,6 +33,9 @@ def percentile(values: Sequence[float] | np.ndarray, q: float) -> float:
 class SlidingWindow:
     """Completions of the last ``window_s`` seconds, for the controller's P99 signals.
 
+    Per-bucket percentiles are recomputed only for buckets whose window content changed
+    since the previous call (the expensive part is numpy's call overhead, not the data).
+
     :param buckets: bucket definitions.
     :param sla: SLA used to count requests meeting it.
     :param window_s: window length in seconds.
@@ -44,48 +47,57 @@ class SlidingWindow:
         self.buckets = buckets
         self.sla = sla
         self.window_s = window_s
-        # (finish_s, bucket, ttft_s, tpot_s, e2e_s, met_sla)
-        self._items: deque[tuple[float, int, float, float, float, bool]] = deque()
+        n = len(buckets)
+        # per bucket: (finish_s, ttft_s, tpot_s, e2e_s, met_sla)
+        self._items: list[deque[tuple[float, float, float, float, bool]]] = [
+            deque() for _ in range(n)]
+        self._dirty = [True] * n
+        self._cache: list[tuple[float, float, int, int]] = [(math.nan, math.nan, 0, 0)] * n
+        self._all_cache: tuple[float, float, float] = (math.nan, math.nan, math.nan)
 
     def add(self, records: Iterable[FinishedRequest]) -> None:
         for rec in records:
             if rec.rejected:
                 continue
-            self._items.append((rec.finish_s, rec.bucket, rec.ttft_s, rec.tpot_s, rec.e2e_s,
-                                meets_sla(rec, self.sla)))
+            self._items[rec.bucket].append((rec.finish_s, rec.ttft_s, rec.tpot_s, rec.e2e_s,
+                                            meets_sla(rec, self.sla)))
+            self._dirty[rec.bucket] = True
 
     def stats(self, now_s: float) -> WindowStats:
         horizon = now_s - self.window_s
-        items = self._items
-        while items and items[0][0] < horizon:
-            items.popleft()
-        n_b = len(self.buckets)
-        if not items:
-            nan_b = (math.nan,) * n_b
-            return WindowStats(self.window_s, nan_b, nan_b, math.nan, math.nan, math.nan,
-                               (0,) * n_b, (0,) * n_b)
-        arr = np.array([(b, t, p, e, m) for _, b, t, p, e, m in items], dtype=np.float64)
-        bucket = arr[:, 0].astype(np.int64)
-        ttft_b = [math.nan] * n_b
-        tpot_b = [math.nan] * n_b
-        completed = [0] * n_b
-        met = [0] * n_b
-        for b in range(n_b):
-            rows = arr[bucket == b]
-            if len(rows):
-                completed[b] = len(rows)
-                met[b] = int(rows[:, 4].sum())
-                ttft_b[b], tpot_b[b] = np.percentile(rows[:, 1:3], 99, axis=0).tolist()
-        ttft_all, tpot_all, e2e_all = np.percentile(arr[:, 1:4], 99, axis=0).tolist()
+        any_dirty = False
+        for b, items in enumerate(self._items):
+            while items and items[0][0] < horizon:
+                items.popleft()
+                self._dirty[b] = True
+            if not self._dirty[b]:
+                continue
+            any_dirty = True
+            self._dirty[b] = False
+            if not items:
+                self._cache[b] = (math.nan, math.nan, 0, 0)
+                continue
+            rows = np.array(items, dtype=np.float64)
+            ttft, tpot = np.percentile(rows[:, 1:3], 99, axis=0).tolist()
+            self._cache[b] = (ttft, tpot, len(rows), int(rows[:, 4].sum()))
+        if any_dirty:
+            every = [row for items in self._items for row in items]
+            if every:
+                ttft, tpot, e2e = np.percentile(np.array(every, dtype=np.float64)[:, 1:4], 99,
+                                                axis=0).tolist()
+                self._all_cache = (ttft, tpot, e2e)
+            else:
+                self._all_cache = (math.nan, math.nan, math.nan)
+        cache = self._cache
         return WindowStats(
             window_s=self.window_s,
-            ttft_p99_s=tuple(ttft_b),
-            tpot_p99_s=tuple(tpot_b),
-            ttft_p99_all_s=ttft_all,
-            tpot_p99_all_s=tpot_all,
-            e2e_p99_all_s=e2e_all,
-            completed=tuple(completed),
-            sla_met=tuple(met),
+            ttft_p99_s=tuple(c[0] for c in cache),
+            tpot_p99_s=tuple(c[1] for c in cache),
+            ttft_p99_all_s=self._all_cache[0],
+            tpot_p99_all_s=self._all_cache[1],
+            e2e_p99_all_s=self._all_cache[2],
+            completed=tuple(c[2] for c in cache),
+            sla_met=tuple(c[3] for c in cache),
         )
 
 

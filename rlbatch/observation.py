@@ -53,12 +53,6 @@ def feature_names(bucket_names: tuple[str, ...]) -> list[str]:
     return names + list(GLOBAL_FEATURES)
 
 
-def _finite(x: float, nan: float = 0.0) -> float:
-    if math.isnan(x):
-        return nan
-    return min(max(x, 0.0), CLIP)
-
-
 @dataclass(frozen=True)
 class ObservationBuilder:
     """Turns stats into the normalised float32 observation.
@@ -131,10 +125,10 @@ class ObservationBuilder:
             min(stats.time_s / self.warmup_s, 1.0) if self.warmup_s > 0 else 1.0,
             *guard_flags,
         ])
-        obs = np.array([_finite(x) for x in out], dtype=np.float32)
+        raw = np.array(out, dtype=np.float64)
         # Memory readings that are not numbers must not look like an empty cache.
         g = n_b * len(PER_BUCKET_FEATURES)
-        for i in (0, 1, 2):
-            if math.isnan(out[g + i]):
-                obs[g + i] = 1.0
-        return obs
+        memory = raw[g:g + 3]
+        memory[np.isnan(memory)] = 1.0
+        np.nan_to_num(raw, copy=False, nan=0.0, posinf=CLIP, neginf=0.0)
+        return np.clip(raw, 0.0, CLIP).astype(np.float32)

@@ -1,0 +1,57 @@
+"""Env step cost: median and P99 microseconds per control tick, random actions.
+
+    .venv/bin/python benchmarks/bench_env.py [--scenario mixed] [--steps 5000]
+
+Also times SB3's PPO overhead per step on the same machine (a rollout + update of a small
+run, divided by steps) so the two figures are comparable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import gymnasium as gym
+import numpy as np
+
+import envs
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scenario", default="mixed")
+    parser.add_argument("--steps", type=int, default=5000)
+    parser.add_argument("--ppo-steps", type=int, default=2048)
+    args = parser.parse_args()
+    env = gym.make(envs.ENV_ID, scenario=args.scenario)
+    env.action_space.seed(0)
+    env.reset(seed=0)
+    times = []
+    resets = 0
+    for _ in range(args.steps):
+        action = env.action_space.sample()
+        t0 = time.perf_counter()
+        _, _, terminated, truncated, _ = env.step(action)
+        times.append(time.perf_counter() - t0)
+        if terminated or truncated:
+            env.reset()
+            resets += 1
+    us = np.array(times) * 1e6
+    print(f"env step ({args.scenario}, random actions, {args.steps} steps, {resets} resets): "
+          f"median {np.median(us):.0f} us, mean {us.mean():.0f} us, P99 "
+          f"{np.percentile(us, 99):.0f} us")
+
+    from stable_baselines3 import PPO
+
+    model = PPO("MlpPolicy", gym.make(envs.ENV_ID, scenario=args.scenario), n_steps=512,
+                batch_size=128, seed=0, device="cpu", verbose=0)
+    t0 = time.perf_counter()
+    model.learn(args.ppo_steps)
+    total = (time.perf_counter() - t0) / args.ppo_steps * 1e6
+    print(f"PPO learn ({args.ppo_steps} steps, 1 env): {total:.0f} us per step in total, of "
+          f"which about {np.median(us):.0f} us is the env")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,185 @@
+"""The guard: property tests over arbitrary observations, each rule, and guard-alone safety."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlbatch.buckets import Buckets
+from rlbatch.control import (
+    SLA,
+    ControlAction,
+    DeploymentInfo,
+    DeploymentStats,
+    WindowStats,
+    make_controller,
+)
+from rlbatch.deployment import DeploymentSpec
+from rlbatch.engine.stats import EngineStats
+from rlbatch.guard import RULES, Guard, GuardConfig
+from rlbatch.runner import run
+from rlbatch.scenarios import SCENARIOS, make_scenario
+from rlbatch.workload import load_trace
+
+INFO = DeploymentInfo(buckets=Buckets(), pools={"fp16": 1, "fp8": 1}, gpu="a100-80g",
+                      model="llama-2-7b", default_max_num_seqs=256, max_num_batched_tokens=2048,
+                      num_kv_blocks={"fp16": 7000, "fp8": 14000}, block_size=16,
+                      max_model_len=4096, tick_s=1.0, sla=SLA(), cold_start=True)
+
+wild = st.floats(allow_nan=True, allow_infinity=True)
+wild_int = st.integers(min_value=-10**12, max_value=10**12)
+
+
+@st.composite
+def engine_stats(draw: st.DrawFn) -> EngineStats:
+    four = st.tuples(wild_int, wild_int, wild_int, wild_int)
+    return EngineStats(
+        engine_id=0, pool="fp16", start_s=draw(wild), time_s=draw(wild),
+        running=draw(four), waiting=draw(four), kv_cache_usage=draw(wild),
+        kv_cache_usage_peak=draw(wild), committed_tokens=draw(wild_int),
+        kv_capacity_tokens=draw(wild_int), num_kv_blocks=draw(wild_int),
+        gpu_memory_used_bytes=draw(wild_int), gpu_memory_total_bytes=draw(wild_int),
+        iterations=draw(wild_int), busy_s=draw(wild), prefill_tokens=draw(wild_int),
+        decode_tokens=draw(wild_int), preemptions=draw(wild_int),
+        recomputed_tokens=draw(wild_int), kv_overflows=draw(wild_int),
+        max_num_seqs=256, finished=())
+
+
+@st.composite
+def deployment_stats(draw: st.DrawFn) -> DeploymentStats:
+    four_f = st.tuples(wild, wild, wild, wild)
+    four_i = st.tuples(wild_int, wild_int, wild_int, wild_int)
+    caps = draw(st.tuples(*[st.one_of(st.none(), st.integers(1, 10**6))] * 4))
+    pools = draw(st.tuples(*[st.sampled_from(["fp16", "fp8"])] * 4))
+    window = WindowStats(draw(wild), draw(four_f), draw(four_f), draw(wild), draw(wild),
+                         draw(wild), draw(four_i), draw(four_i))
+    return DeploymentStats(
+        time_s=draw(wild), tick_s=draw(wild),
+        engines=tuple(draw(st.lists(engine_stats(), min_size=0, max_size=2))),
+        queued=draw(four_i), arrived=draw(four_i), rejected=draw(four_i), window=window,
+        action=ControlAction(caps, pools), kv_budget_blocked=draw(st.booleans()),
+        oldest_wait_s=draw(four_f))
+
+
+proposals = st.one_of(
+    st.none(),
+    st.builds(lambda caps, pools: ControlAction(caps, pools),
+              st.tuples(*[st.one_of(st.none(), st.integers(1, 10**9))] * 4),
+              st.tuples(*[st.sampled_from(["fp16", "fp8", "fp4", ""])] * 4)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(proposals, st.one_of(st.none(), deployment_stats())), min_size=1,
+                max_size=6))
+def test_guard_output_is_always_safe_and_deterministic(
+        sequence: list[tuple[ControlAction | None, DeploymentStats | None]]) -> None:
+    config = GuardConfig()
+    a, b = Guard(config), Guard(config)
+    a.reset(INFO)
+    b.reset(INFO)
+    for proposed, stats in sequence:
+        out_a, over_a = a.check(proposed, stats)
+        out_b, over_b = b.check(proposed, stats)
+        assert out_a == out_b and over_a == over_b
+        assert len(out_a.caps) == 4
+        for cap in out_a.caps:
+            assert cap is not None and 1 <= cap <= config.max_cap
+        assert set(out_a.pools) <= {"fp16", "fp8"}
+        assert out_a.kv_budget_fraction == config.kv_budget_fraction
+        assert all(o.rule in RULES for o in over_a)
+
+
+def _stats(t: float, kv: float = 0.1, tpot_p99: float = 0.02, ttft_p99: float = 0.5,
+           caps: tuple[int, ...] = (32, 32, 32, 32), recomputed: int = 0,
+           computed: int = 1000) -> DeploymentStats:
+    nan4 = (float("nan"),) * 4
+    engine = EngineStats(0, "fp16", t - 1, t, (0,) * 4, (0,) * 4, kv, kv, 0, 1000, 100, 0, 1,
+                         10, 1.0, computed // 2, computed - computed // 2, 0, recomputed, 0,
+                         256, ())
+    window = WindowStats(30.0, nan4, nan4, ttft_p99, tpot_p99, 1.0, (0,) * 4, (0,) * 4)
+    return DeploymentStats(t, 1.0, (engine,), (0,) * 4, (0,) * 4, (0,) * 4, window,
+                           ControlAction(caps, ("fp16",) * 4))
+
+
+PROPOSED = ControlAction((64, 64, 64, 64), ("fp16",) * 4)
+
+
+def test_warmup_ramp_4_plus_4_per_minute() -> None:
+    guard = Guard()
+    guard.reset(INFO)
+    caps = {t: guard.check(PROPOSED, _stats(t))[0].caps[0] for t in (1, 59, 60, 130, 299, 300)}
+    assert caps == {1: 4, 59: 4, 60: 8, 130: 12, 299: 20, 300: 64}
+
+
+def test_kv_high_for_10s_halves_then_releases() -> None:
+    guard = Guard(GuardConfig(warmup=False))
+    guard.reset(INFO)
+    caps = []
+    for t in range(1, 25):
+        caps.append(guard.check(PROPOSED, _stats(t, kv=0.9, caps=(32,) * 4))[0].caps[0])
+    assert caps[:9] == [64] * 9  # high for less than 10 s
+    assert caps[9] == 16 and caps[19] == 8  # halved at 10 s, again at 20 s
+    assert guard.check(PROPOSED, _stats(30, kv=0.5))[0].caps[0] == 64
+
+
+@pytest.mark.parametrize("fallback,expected", [("halve", 16), ("no_batching", 1)])
+def test_p99_breach_falls_back_and_holds(fallback: str, expected: int) -> None:
+    guard = Guard(GuardConfig(warmup=False, p99_fallback=fallback, p99_hold_s=5))  # type: ignore[arg-type]
+    guard.reset(INFO)
+    action, overrides = guard.check(PROPOSED, _stats(10, tpot_p99=0.5))
+    assert action.caps[0] == expected and overrides[0].rule == "p99"
+    for t in range(11, 16):  # recovered, but held for 5 s
+        assert guard.check(PROPOSED, _stats(t))[0].caps[0] == expected
+    assert guard.check(PROPOSED, _stats(16))[0].caps[0] == 64
+
+
+def test_ttft_breach_ignored_by_default_watched_when_asked() -> None:
+    default = Guard(GuardConfig(warmup=False))
+    default.reset(INFO)
+    assert default.check(PROPOSED, _stats(10, ttft_p99=9.0))[0].caps[0] == 64
+    strict = Guard(GuardConfig(warmup=False, p99_metrics=("ttft", "tpot")))
+    strict.reset(INFO)
+    assert strict.check(PROPOSED, _stats(10, ttft_p99=9.0))[0].caps[0] == 16
+
+
+def test_low_efficiency_shrinks_caps() -> None:
+    guard = Guard(GuardConfig(warmup=False))
+    guard.reset(INFO)
+    action, overrides = guard.check(PROPOSED, _stats(5, recomputed=400, computed=1000))
+    assert action.caps == (24, 24, 24, 24) and {o.rule for o in overrides} == {"efficiency"}
+
+
+def test_every_rule_can_be_switched_off() -> None:
+    guard = Guard(GuardConfig(warmup=False, kv_high=False, p99=False, efficiency=False,
+                              kv_budget=False))
+    guard.reset(INFO)
+    for t in range(1, 30):
+        action, overrides = guard.check(PROPOSED, _stats(t, kv=0.99, tpot_p99=9.0,
+                                                         recomputed=900))
+        assert action.caps == PROPOSED.caps and not overrides
+        assert action.kv_budget_fraction is None
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_guard_keeps_random_policy_free_of_kv_overflow_on_scenarios(scenario: str) -> None:
+    # 3x the scenario's load: well past saturation.
+    workload = make_scenario(scenario, seed=0, duration_s=300, load_scale=3.0)
+    row = run(workload, make_controller("random:1"), DeploymentSpec(), drain_s=60).row
+    assert row["kv_overflows"] == 0 and row["preemptions"] == 0
+    assert row["completed"] + row["rejected"] + row["unfinished"] == len(workload)
+
+
+@pytest.mark.parametrize("trace,model,rate", [("azure_conv_2023.csv", "llama-2-7b", 2.0),
+                                              ("mooncake_synthetic.jsonl", "llama-3.1-8b", 1.0)])
+def test_guard_keeps_random_policy_free_of_kv_overflow_on_traces(
+        trace: str, model: str, rate: float, azure_trace: Path) -> None:
+    workload = load_trace(azure_trace.parent / trace, rate_scale=rate, window_s=(0, 600))
+    spec = DeploymentSpec(model=model)
+    guarded = run(workload, make_controller("random:2"), spec, drain_s=60).row
+    assert guarded["kv_overflows"] == 0
+    unguarded = run(workload, make_controller("vllm-default"), spec, drain_s=60).row
+    if trace.startswith("azure"):
+        assert unguarded["kv_overflows"] > 0  # the load does overflow without the guard
