@@ -10,6 +10,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
+from rlbatch.action_codec import ActionCodec
 from rlbatch.admission import AdmissionConfig
 from rlbatch.buckets import Buckets
 from rlbatch.control import SLA, ControlAction, DeploymentInfo, DeploymentStats
@@ -143,8 +144,8 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
             admission=AdmissionConfig(over_length=guard_cfg.over_length))
         self.pool_names = tuple(self.deployment_spec.pools)
         n_b = len(self.deployment_spec.buckets)
-        self.action_space = spaces.MultiDiscrete(
-            np.array([len(self.ladder), len(self.pool_names)] * n_b, dtype=np.int64))
+        self.codec = ActionCodec(self.ladder, self.pool_names, n_b)
+        self.action_space = spaces.MultiDiscrete(np.array(self.codec.nvec, dtype=np.int64))
         size = n_b * len(PER_BUCKET_FEATURES) + len(GLOBAL_FEATURES)
         self.observation_space = spaces.Box(0.0, CLIP, shape=(size,), dtype=np.float32)
         if scenario == "mixed":
@@ -204,7 +205,13 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
             "overrides": [o.rule for o in overrides],
             "caps": safe.caps,
             "pools": safe.pools,
-            "stats": stats,
+            "engine": {
+                "kv_cache_usage": max((e.kv_cache_usage for e in stats.engines), default=0.0),
+                "throughput_tok_s": sum(e.decode_tokens for e in stats.engines) / stats.tick_s,
+                "preemptions": sum(e.preemptions for e in stats.engines),
+                "kv_overflows": sum(e.kv_overflows for e in stats.engines),
+                "queued": sum(stats.queued),
+            },
         }
         if truncated:
             info["episode_summary"] = self._loop.summary()
@@ -213,35 +220,11 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     # ------------------------------------------------------------------ helpers
     def decode_action(self, action: np.ndarray | list[int] | tuple[int, ...]) -> ControlAction:
         """MultiDiscrete action -> ControlAction; raises ValueError on anything invalid."""
-        arr = np.asarray(action)
-        n_b = len(self.deployment_spec.buckets)
-        if arr.shape != (2 * n_b,):
-            raise ValueError(f"action must have shape ({2 * n_b},), got {arr.shape}: {action}")
-        if not np.issubdtype(arr.dtype, np.integer):
-            if not np.all(np.isfinite(arr)) or not np.all(arr == np.round(arr)):
-                raise ValueError(f"action must hold integers, got {action}")
-            arr = arr.astype(np.int64)
-        caps: list[int] = []
-        pools: list[str] = []
-        for b in range(n_b):
-            ci, pi = int(arr[2 * b]), int(arr[2 * b + 1])
-            if not 0 <= ci < len(self.ladder):
-                raise ValueError(f"bucket {b}: cap index {ci} outside [0, {len(self.ladder)})")
-            if not 0 <= pi < len(self.pool_names):
-                raise ValueError(f"bucket {b}: pool index {pi} outside "
-                                 f"[0, {len(self.pool_names)})")
-            caps.append(self.ladder[ci])
-            pools.append(self.pool_names[pi])
-        return ControlAction(tuple(caps), tuple(pools))
+        return self.codec.decode(action)
 
     def encode_action(self, action: ControlAction) -> np.ndarray:
         """ControlAction -> nearest MultiDiscrete action (cap rounded down the ladder)."""
-        out: list[int] = []
-        for cap, pool in zip(action.caps, action.pools, strict=True):
-            c = self.ladder[-1] if cap is None else cap
-            idx = max((i for i, v in enumerate(self.ladder) if v <= c), default=0)
-            out.extend([idx, self.pool_names.index(pool) if pool in self.pool_names else 0])
-        return np.array(out, dtype=np.int64)
+        return self.codec.encode(action)
 
     def _draw_workload(self) -> Workload:
         rng = self.np_random

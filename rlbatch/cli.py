@@ -13,21 +13,17 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from tqdm import tqdm
 
 from rlbatch.admission import AdmissionConfig
 from rlbatch.buckets import Buckets
-from rlbatch.control import SLA, DeploymentStats, controller_specs, make_controller
+from rlbatch.control import SLA, controller_specs, make_controller
 from rlbatch.deployment import DeploymentSpec, parse_pools
+from rlbatch.evaluate import EvalJob, load_job_workload, run_job, run_jobs
 from rlbatch.report import format_buckets, format_table, write_json
-from rlbatch.runner import run
-from rlbatch.scenarios import make_scenario
-from rlbatch.workload import Workload, build_workload, load_trace, resolve_workload
 
 T = TypeVar("T")
 
@@ -126,82 +122,14 @@ def _spec(args: argparse.Namespace) -> DeploymentSpec:
         cold_start=args.cold_start)
 
 
-@dataclass(frozen=True)
-class _Job:
-    controller: str
-    trace: str
-    rate_scale: float
-    spec: DeploymentSpec
-    window: tuple[float, float] | None
-    max_requests: int | None
-    seed: int
-    drain_s: float
-
-
-def _load(job: _Job) -> Workload:
-    """A trace file (with window / max-requests) or a generator spec, at the job's rate."""
-    if Path(job.trace).exists():
-        return load_trace(job.trace, rate_scale=job.rate_scale, window_s=job.window,
-                          max_requests=job.max_requests, seed=job.seed)
-    if job.window is not None:
-        raise ValueError(f"--window applies to trace files, not to generator {job.trace!r}")
-    if job.trace.startswith("scenario:"):
-        name, _, duration = job.trace.removeprefix("scenario:").partition(":")
-        workload = make_scenario(name, seed=job.seed, duration_s=float(duration or 900),
-                                 load_scale=job.rate_scale)
-        return _first(workload, job.max_requests)
-    return _first(resolve_workload(job.trace, job.seed, rate_scale=job.rate_scale),
-                  job.max_requests)
-
-
-def _first(workload: Workload, max_requests: int | None) -> Workload:
-    if max_requests is None or max_requests >= len(workload):
-        return workload
-    rows = [(r.arrival_s, r.prompt_tokens, r.max_output_tokens, r.prefix_ids)
-            for r in workload.requests[:max_requests]]
-    return build_workload(rows, name=workload.name, source=workload.source,
-                          transforms=(*workload.transforms, f"first {max_requests} requests"))
-
-
-def _run_job(job: _Job, bar: tqdm[Any] | None = None) -> dict[str, Any]:
-    workload = _load(job)
-    controller = make_controller(job.controller)
-
-    def on_tick(stats: DeploymentStats) -> None:
-        if bar is not None:
-            bar.update(stats.tick_s)
-
-    result = run(workload, controller, job.spec, drain_s=job.drain_s,
-                 on_tick=on_tick if bar is not None else None, rate_scale=job.rate_scale)
-    result.row["trace"] = workload.name
-    result.row["skipped_rows"] = workload.skipped_rows
-    return result.row
-
-
 def cmd_evaluate(args: argparse.Namespace) -> int:
     names = controller_specs(args.controllers)
     for name in names:  # fail fast on a bad name, before any run
         make_controller(name)
     spec = _spec(args)
-    jobs = [_Job(c, t, r, spec, args.window, args.max_requests, args.seed, args.drain_s)
+    jobs = [EvalJob(c, t, r, spec, args.window, args.max_requests, args.seed, args.drain_s)
             for t in args.trace for r in args.rate_scale for c in names]
-    # Load each workload once up front: bad files fail before minutes of simulation.
-    for trace in args.trace:
-        for r in args.rate_scale:
-            _load(_Job(names[0], trace, r, spec, args.window, args.max_requests, args.seed,
-                       args.drain_s))
-    rows: list[dict[str, Any]] = []
-    if args.jobs > 1 and len(jobs) > 1:
-        with ProcessPoolExecutor(max_workers=args.jobs) as pool, \
-                tqdm(total=len(jobs), unit="run", desc="evaluate", file=sys.stderr,
-                     disable=args.quiet) as bar:
-            for row in pool.map(_run_job, jobs):
-                rows.append(row)
-                bar.update(1)
-    else:
-        for job in tqdm(jobs, unit="run", desc="evaluate", file=sys.stderr,
-                        disable=args.quiet):
-            rows.append(_run_job(job))
+    rows = run_jobs(jobs, n_jobs=args.jobs, quiet=args.quiet)
     print(format_table(rows))
     if args.json:
         write_json(Path(args.json), rows)
@@ -211,12 +139,12 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     make_controller(args.controller)
-    job = _Job(args.controller, args.trace, args.rate_scale, _spec(args), args.window,
-               args.max_requests, args.seed, args.drain_s)
-    workload = _load(job)
+    job = EvalJob(args.controller, args.trace, args.rate_scale, _spec(args), args.window,
+                  args.max_requests, args.seed, args.drain_s)
+    workload = load_job_workload(job)
     with tqdm(total=round(workload.duration_s, 1), unit="sim-s", desc=workload.name,
               file=sys.stderr, disable=args.quiet) as bar:
-        row = _run_job(job, bar)
+        row = run_job(job, bar)
     print(format_table([row]))
     print()
     print(format_buckets(row))
@@ -272,6 +200,15 @@ def build_parser() -> argparse.ArgumentParser:
                                     "row of vidur-format profiling CSVs and report the error.")
     profile_check_mod.add_arguments(pc)
     pc.set_defaults(func=profile_check_mod.run)
+
+    from rlbatch import sweep as sweep_mod
+
+    sw = sub.add_parser("sweep", help="throughput-latency sweep over batch x sequence length",
+                        description="The tuning guide's benchmark checklist: tokens/s, latency "
+                                    "percentiles, KV peak and memory breakdown per (batch, "
+                                    "seq_len), plots, and the guide's configurations checked.")
+    sweep_mod.add_arguments(sw)
+    sw.set_defaults(func=sweep_mod.run)
     return parser
 
 

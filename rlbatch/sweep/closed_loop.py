@@ -41,6 +41,9 @@ class ClosedLoopResult:
     :param kv_overflows: iterations in which a running request could not get a KV block.
     :param recomputed_tokens: KV tokens thrown away by preemption.
     :param iterations: engine iterations.
+    :param max_running: most requests running at once (read after every engine step); below
+        the concurrency when the KV pool cannot hold that many (the engine admits a waiting
+        request only if its blocks are free).
     """
 
     records: list[FinishedRequest] = field(default_factory=list)
@@ -53,6 +56,7 @@ class ClosedLoopResult:
     kv_overflows: int = 0
     recomputed_tokens: int = 0
     iterations: int = 0
+    max_running: int = 0
 
     def add(self, stats: EngineStats) -> None:
         """Fold one engine snapshot in.
@@ -66,6 +70,7 @@ class ClosedLoopResult:
         self.kv_overflows += stats.kv_overflows
         self.recomputed_tokens += stats.recomputed_tokens
         self.iterations += stats.iterations
+        self.max_running = max(self.max_running, sum(stats.running))
 
 
 def run_closed_loop(engine: Engine, *, bucket: int, concurrency: int, num_requests: int,
@@ -99,14 +104,12 @@ def run_closed_loop(engine: Engine, *, bucket: int, concurrency: int, num_reques
             sent += 1
         if engine.is_idle():
             break
-        in_flight = engine.num_unfinished_total()
         # With no arrival bound the simulator may skip pure-decode iterations, but it always
         # stops before the iteration in which a request finishes, so the loop sees every
         # completion at the clock it happens.
         engine.step(math.inf)
         steps += 1
-        if engine.num_unfinished_total() < in_flight:
-            result.add(engine.snapshot())
+        result.add(engine.snapshot())
         if steps > max_steps:
             raise RuntimeError(f"closed loop did not finish within {max_steps} engine steps "
                                f"({len(result.records)} of {num_requests} requests done)")

@@ -66,11 +66,11 @@ def admitted_seq_lens(config: GuideConfig, seq_lens: Sequence[int], output_len: 
         total = seq_len + output_len
         if config.max_seq_len is not None and total > config.max_seq_len:
             excluded.append({"seq_len": seq_len, "reason": (
-                f"prompt {seq_len} + output {output_len} > the configuration's max_seq_len "
-                f"{config.max_seq_len} (truncated or rejected by it)")})
+                f"prompt {seq_len} + output {output_len} exceeds the configuration's "
+                f"max_seq_len {config.max_seq_len}")})
         elif total > max_model_len:
             excluded.append({"seq_len": seq_len, "reason": (
-                f"prompt {seq_len} + output {output_len} > the model's context "
+                f"prompt {seq_len} + output {output_len} exceeds the model's context "
                 f"{max_model_len}")})
         else:
             served.append(seq_len)
@@ -109,13 +109,14 @@ class GuideCheck:
 
 
 def _check_point(point: SweepPoint, source: str, sla: SweepSLA) -> dict[str, Any]:
+    failures = point.sla_failures(sla)
     return {
         "seq_len": point.seq_len, "batch": point.batch, "precision": point.precision,
-        "source": source, "ok": point.ok, "failures": point.sla_failures(sla),
+        "source": source, "ok": not failures, "failures": failures,
         "ttft_p99_s": point.ttft_p99_s, "tpot_p99_s": point.tpot_p99_s,
         "e2e_p99_s": point.e2e_p99_s, "throughput_output_tok_s": point.throughput_output_tok_s,
-        "kv_cache_usage_peak": point.kv_cache_usage_peak, "preemptions": point.preemptions,
-        "kv_overflows": point.kv_overflows,
+        "kv_cache_usage_peak": point.kv_cache_usage_peak, "max_running": point.max_running,
+        "preemptions": point.preemptions, "kv_overflows": point.kv_overflows,
     }
 
 

@@ -14,6 +14,7 @@ combined PNG and into TensorBoard one by one:
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -70,18 +71,18 @@ def _not_runnable_note(result: SweepResult) -> str:
 def _legend(ax: Axes, result: SweepResult, extra: list[Any]) -> None:
     handles, _ = ax.get_legend_handles_labels()
     handles += [*extra, _overflow_handle()]
-    ax.legend(handles=handles, loc="best", fontsize=8, framealpha=0.9)
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2,
+              fontsize=8, frameon=False)
 
 
-def _note(ax: Axes, text: str) -> None:
-    if text:
-        ax.text(0.99, 0.02, text, transform=ax.transAxes, ha="right", va="bottom",
-                fontsize=8, color="#555555")
+def _note(ax: Axes, text: str, y: float = 0.02) -> None:
+    ax.text(0.99, y, text, transform=ax.transAxes, ha="right", va="bottom", fontsize=8,
+            color="#555555")
 
 
 def _overflow_handle() -> Line2D:
     return Line2D([], [], color=_OVERFLOW, marker="x", linestyle="none", markersize=10,
-                  markeredgewidth=2.5, label="preemption / KV overflow")
+                  markeredgewidth=2.5, label="KV overflow (preempted / batch not admitted)")
 
 
 def _curve(ax: Axes, result: SweepResult, y_of: Callable[[SweepPoint], float | None],
@@ -108,7 +109,7 @@ def _curve(ax: Axes, result: SweepResult, y_of: Callable[[SweepPoint], float | N
         ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
         ax.yaxis.set_minor_formatter(NullFormatter())
     else:
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(0, 1.12 * max(values, default=1.0))
     ax.grid(True, alpha=0.3)
 
 
@@ -137,7 +138,9 @@ def draw_tpot(ax: Axes, result: SweepResult) -> None:
     sla = result.spec.sla
     _curve(ax, result, lambda p: p.tpot_p99_s, 1000.0)
     limit_ms = 1000 * sla.tpot_p99_s
-    if limit_ms <= 1.5 * ax.get_ylim()[1]:
+    top = ax.get_ylim()[1]
+    if limit_ms <= 3.0 * top:
+        ax.set_ylim(top=max(top, 1.1 * limit_ms))
         ax.axhline(limit_ms, color="black", linestyle="--", linewidth=1)
         _legend(ax, result, [Line2D([], [], color="black", linestyle="--",
                                     label=f"SLA {limit_ms:g} ms")])
@@ -163,14 +166,14 @@ def draw_kv_usage(ax: Axes, result: SweepResult) -> None:
         over = [(x, y) for p, x, y in zip(pts, xs, ys, strict=True) if p.overflowed]
         label = f"seq {seq_len} (fits {fits})"
         if over:
-            label += f", preempts from b{over[0][0]}"
+            label += f", KV overflow from b{over[0][0]}"
         ax.plot(xs, ys, marker="o", color=color, label=label)
         if over:
             ox, oy = zip(*over, strict=True)
             ax.plot(ox, oy, marker="x", color=_OVERFLOW, markersize=12, markeredgewidth=2.5,
                     linestyle="none")
     if not any(p.overflowed for _, pts in _runnable_rows(result) for p in pts):
-        _note(ax, "no preemption / KV overflow at any swept point")
+        _note(ax, "no preemption / KV overflow at any swept point", y=0.935)
     ax.axhline(100 * KV_BREAKER, color="#ff7f0e", linestyle="--", linewidth=1)
     ax.axhline(100, color="black", linewidth=0.8)
     ax.set_xscale("log", base=2)
@@ -220,8 +223,14 @@ def draw_memory(ax: Axes, result: SweepResult) -> None:
                        edgecolor="white", linewidth=0.5)
                 bottom += height
             kv_top = point.memory["weights_gib"] + point.memory["kv_in_use_peak_gib"]
-            ax.text(x, kv_top + 0.5, f"{point.memory['kv_in_use_peak_gib']:.1f}",
-                    ha="center", va="bottom", fontsize=7, color="#7a3b0c")
+            inside = kv_top > budget - 0.06 * gpu_total  # no room above: write inside
+            ax.text(x, kv_top - 1.0 if inside else kv_top + 0.5,
+                    f"{point.memory['kv_in_use_peak_gib']:.1f}", ha="center",
+                    va="top" if inside else "bottom", fontsize=7,
+                    color="white" if inside else "#7a3b0c")
+            if point.overflowed:
+                ax.plot([x], [budget + 0.04 * gpu_total], marker="x", color=_OVERFLOW,
+                        markersize=10, markeredgewidth=2.5, linestyle="none")
         center = g * group + (len(batches) - 1) / 2
         ax.text(center, -0.13, f"seq_len {seq_len}", transform=ax.get_xaxis_transform(),
                 ha="center", va="top", fontsize=9, fontweight="bold")
@@ -235,8 +244,8 @@ def draw_memory(ax: Axes, result: SweepResult) -> None:
                  f"= {budget:.1f} GiB", fontsize=10)
     handles: list[Any] = [Patch(facecolor=c, label=lbl) for _, lbl, c, _ in _MEMORY_PARTS]
     handles += [Line2D([], [], color="black", linestyle="--", label="budget (GPU x util)"),
-                Line2D([], [], color="black", label="GPU memory")]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=6,
+                Line2D([], [], color="black", label="GPU memory"), _overflow_handle()]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=7,
               fontsize=8, frameon=False)
 
 
@@ -303,5 +312,8 @@ def to_rgb_array(fig: Figure) -> np.ndarray[Any, np.dtype[np.uint8]]:
     :param fig: the figure.
     """
     canvas = FigureCanvasAgg(fig)
-    canvas.draw()
-    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
+    width, height = canvas.get_width_height(physical=True)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="rgba")
+    rgba = np.frombuffer(buffer.getvalue(), dtype=np.uint8).reshape(height, width, 4)
+    return rgba[..., :3].copy()

@@ -48,6 +48,9 @@ class SweepPoint:
     :param e2e_p95_s: send to last token, P95.
     :param e2e_p99_s: send to last token, P99.
     :param kv_cache_usage_peak: peak fraction of the KV pool in use.
+    :param max_running: most sequences running at once; below ``batch`` when the KV pool
+        cannot hold ``batch`` sequences (the engine then runs fewer, so the point is not
+        really at that batch size).
     :param preemptions: requests preempted (recompute), from the engine.
     :param kv_overflows: iterations in which a running request found no free KV block.
     :param recomputed_tokens: KV tokens thrown away by preemption.
@@ -79,6 +82,7 @@ class SweepPoint:
     e2e_p95_s: float | None = None
     e2e_p99_s: float | None = None
     kv_cache_usage_peak: float | None = None
+    max_running: int | None = None
     preemptions: int | None = None
     kv_overflows: int | None = None
     recomputed_tokens: int | None = None
@@ -99,8 +103,9 @@ class SweepPoint:
 
     @property
     def overflowed(self) -> bool:
-        """The engine preempted or ran out of KV blocks at this point."""
-        return bool(self.preemptions) or bool(self.kv_overflows)
+        """The KV cache was too small at this point: the engine preempted, ran out of blocks
+        for a running request, or could not admit ``batch`` sequences."""
+        return bool(self.preemptions) or bool(self.kv_overflows) or self.kv_limited
 
     def sla_failures(self, sla: SweepSLA) -> list[str]:
         """Why the point misses the guide's test (empty when ``ok``), in words.
@@ -120,7 +125,16 @@ class SweepPoint:
             reasons.append(f"{self.preemptions} preemptions")
         if self.kv_overflows and not self.preemptions:
             reasons.append(f"{self.kv_overflows} KV overflows")
+        if self.kv_limited:
+            reasons.append(f"KV cache holds only {self.max_running} of {self.batch} sequences")
         return reasons
+
+    @property
+    def kv_limited(self) -> bool:
+        """The KV pool kept the engine below ``batch`` running sequences."""
+        if not self.runnable or self.max_running is None:
+            return False
+        return self.max_running < min(self.batch, self.num_requests or self.batch)
 
 
 def not_runnable_reason(seq_len: int, output_len: int, max_model_len: int) -> str | None:
@@ -193,7 +207,8 @@ def summarize_point(result: ClosedLoopResult, spec: SweepSpec, batch: int, seq_l
         tpot_p99_s=percentile(tpot, 99),
         e2e_p50_s=percentile(e2e, 50), e2e_p95_s=percentile(e2e, 95),
         e2e_p99_s=percentile(e2e, 99),
-        kv_cache_usage_peak=result.kv_cache_usage_peak, preemptions=result.preemptions,
+        kv_cache_usage_peak=result.kv_cache_usage_peak, max_running=result.max_running,
+        preemptions=result.preemptions,
         kv_overflows=result.kv_overflows, recomputed_tokens=result.recomputed_tokens,
         memory=plan.breakdown(result.kv_cache_usage_peak, result.num_kv_blocks).to_dict())
     failures = point.sla_failures(spec.sla)

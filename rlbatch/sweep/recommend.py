@@ -27,8 +27,9 @@ class SeqLenRecommendation:
     :param max_throughput_batch: passing batch with the most output tokens/s.
     :param max_throughput_output_tok_s: its output tokens/s.
     :param max_throughput_total_tok_s: its prompt + output tokens/s.
-    :param first_preemption_batch: smallest swept batch that preempted or overflowed the KV
-        cache (``None``: none in the grid did).
+    :param first_kv_overflow_batch: smallest swept batch at which the KV cache ran short:
+        the engine preempted, a running request found no free block, or fewer than ``batch``
+        sequences could be admitted (``None``: at no swept batch).
     :param kv_fit_batch: how many sequences of ``seq_len + output_len`` tokens the KV pool
         holds at once; larger batches must preempt before they finish.
     :param note: a short explanation where the answer is empty.
@@ -40,7 +41,7 @@ class SeqLenRecommendation:
     max_throughput_batch: int | None
     max_throughput_output_tok_s: float | None
     max_throughput_total_tok_s: float | None
-    first_preemption_batch: int | None
+    first_kv_overflow_batch: int | None
     kv_fit_batch: int
     note: str = ""
 
@@ -77,7 +78,7 @@ def recommend(points: Sequence[SweepPoint], seq_lens: Sequence[int], output_len:
             max_throughput_batch=best.batch if best else None,
             max_throughput_output_tok_s=best.throughput_output_tok_s if best else None,
             max_throughput_total_tok_s=best.throughput_total_tok_s if best else None,
-            first_preemption_batch=min(overflowed, default=None),
+            first_kv_overflow_batch=min(overflowed, default=None),
             kv_fit_batch=plan.max_sequences(seq_len + output_len),
             note=note,
         ))

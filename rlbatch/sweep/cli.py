@@ -1,0 +1,180 @@
+"""``python -m rlbatch sweep``: the guide's benchmark checklist as a command.
+
+``sweep --engine sim --batch 4,8,16,32 --seq-len 1024,2048,4096 [--output-len N] [--fp8]
+[--gpu a100-80g] [--model llama-2-7b] [--num-requests N] --json OUT --plot OUT.png
+[--report OUT.md] [--logdir DIR] [--sla-p99-s 2.0]``
+
+The project CLI adds a ``sweep`` subparser with :func:`add_arguments` and calls :func:`run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from rlbatch.report import write_json
+from rlbatch.sweep.engines import engine_names
+from rlbatch.sweep.markdown import render_markdown
+from rlbatch.sweep.point import SweepPoint
+from rlbatch.sweep.spec import SLA_METRICS, SweepSLA, SweepSpec, parse_int_list
+from rlbatch.sweep.sweep import SweepResult, run_spec
+
+
+def _int_list(what: str) -> Callable[[str], list[int]]:
+    def parse(text: str) -> list[int]:
+        try:
+            return parse_int_list(text, what)
+        except ValueError as exc:  # argparse names the option itself
+            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{what}: ")) from None
+
+    parse.__name__ = "list of integers"
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the sweep's arguments to ``parser`` (the project CLI's ``sweep`` subparser).
+
+    :param parser: the (sub)parser to extend.
+    """
+    g = parser.add_argument_group("grid")
+    g.add_argument("--engine", choices=engine_names(), default="sim",
+                   help="engine backend (default sim; vllm needs the live-engine backend)")
+    g.add_argument("--batch", type=_int_list("--batch"), default=[4, 8, 16, 32],
+                   metavar="B,B,...", help="batch sizes, static caps (default 4,8,16,32)")
+    g.add_argument("--seq-len", type=_int_list("--seq-len"), default=[1024, 2048, 4096],
+                   metavar="S,S,...", help="prompt lengths in tokens (default 1024,2048,4096)")
+    g.add_argument("--output-len", type=int, default=128,
+                   help="output tokens per request (default 128)")
+    g.add_argument("--fp8", action="store_true",
+                   help="FP8 KV cache (and FP8 weights where the GPU has FP8 tensor cores)")
+    g.add_argument("--gpu", default="a100-80g", help="GPU profile name or JSON file")
+    g.add_argument("--model", default="llama-2-7b", help="model profile name or JSON file")
+    g.add_argument("--num-requests", type=int, default=None,
+                   help="requests per point (default max(8 x batch, 64))")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="engine token budget per iteration (default: vLLM's for the GPU)")
+    s = parser.add_argument_group("SLA")
+    s.add_argument("--sla-p99-s", type=float, default=2.0,
+                   help="P99 latency limit in seconds (default 2.0, the guide's)")
+    s.add_argument("--sla-metric", choices=SLA_METRICS, default="ttft",
+                   help="latency the P99 limit applies to: ttft (default, as DESIGN.md reads "
+                        "the guide) or e2e (whole request)")
+    s.add_argument("--sla-tpot-s", type=float, default=0.1,
+                   help="P99 time-per-output-token limit in seconds (default 0.1)")
+    s.add_argument("--no-guide-check", action="store_true",
+                   help="skip the guide's two configurations (and their extra points)")
+    o = parser.add_argument_group("output")
+    o.add_argument("--json", type=Path, default=None, metavar="OUT", help="write JSON here")
+    o.add_argument("--plot", type=Path, default=None, metavar="OUT.png",
+                   help="write the figure (PNG) here")
+    o.add_argument("--report", type=Path, default=None, metavar="OUT.md",
+                   help="write the Markdown report here")
+    o.add_argument("--logdir", type=Path, default=None, metavar="DIR",
+                   help="also log the figures and scalars to TensorBoard under sweep/")
+    o.add_argument("--quiet", action="store_true", help="no per-point progress lines")
+
+
+def spec_from_args(args: argparse.Namespace) -> SweepSpec:
+    """The :class:`SweepSpec` the parsed arguments describe.
+
+    :param args: namespace from a parser built with :func:`add_arguments`.
+    :raises ValueError: an inconsistent value.
+    """
+    return SweepSpec(
+        gpu=args.gpu, model=args.model, batches=tuple(args.batch),
+        seq_lens=tuple(args.seq_len), output_len=args.output_len,
+        precision="fp8" if args.fp8 else "fp16", engine=args.engine,
+        num_requests=args.num_requests,
+        sla=SweepSLA(p99_s=args.sla_p99_s, metric=args.sla_metric, tpot_p99_s=args.sla_tpot_s),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        check_guide=not args.no_guide_check)
+
+
+def _progress(point: SweepPoint) -> None:
+    if not point.runnable:
+        print(f"  {point.precision} seq {point.seq_len:>6} batch {point.batch:>4}: not runnable",
+              file=sys.stderr)
+        return
+    print(f"  {point.precision} seq {point.seq_len:>6} batch {point.batch:>4}: "
+          f"{point.throughput_output_tok_s or 0:8.0f} out tok/s, "
+          f"TTFT p99 {point.ttft_p99_s or 0:6.2f} s, preemptions {point.preemptions}",
+          file=sys.stderr)
+
+
+def format_summary(result: SweepResult) -> str:
+    """Recommendations and guide verdicts, for the terminal.
+
+    :param result: the sweep.
+    """
+    lines = [f"sweep {result.model} on {result.gpu} ({result.precision}, engine "
+             f"{result.spec.engine}); SLA {result.spec.sla.describe()}"]
+    for r in result.recommendations:
+        if not r.runnable:
+            lines.append(f"  seq {r.seq_len}: not runnable ({r.note})")
+        else:
+            lines.append(f"  seq {r.seq_len}: largest passing batch "
+                         f"{r.largest_batch_meeting_sla}, max tokens/s batch "
+                         f"{r.max_throughput_batch}; pool fits {r.kv_fit_batch}")
+    lines += [f"  {c.summary}" for c in result.guide_checks]
+    return "\n".join(lines)
+
+
+def _write_outputs(result: SweepResult, args: argparse.Namespace) -> None:
+    if args.json is not None:
+        write_json(args.json, result.to_dict())
+        print(f"wrote {args.json}")
+    if args.plot is not None or args.logdir is not None:
+        from rlbatch.sweep.plot import build_figure, save_png  # matplotlib only when asked
+
+        if args.plot is not None:
+            save_png(build_figure(result), args.plot)
+            print(f"wrote {args.plot}")
+    if args.report is not None:
+        link = None
+        if args.plot is not None:
+            link = Path(os.path.relpath(args.plot.resolve(),
+                                        args.report.resolve().parent)).as_posix()
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        args.report.write_text(render_markdown(result, link) + "\n", encoding="utf-8")
+        print(f"wrote {args.report}")
+    if args.logdir is not None:
+        from rlbatch.sweep.tensorboard import log_to_tensorboard
+
+        log_to_tensorboard(result, args.logdir)
+        print(f"logged to TensorBoard in {args.logdir}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the sweep with parsed arguments, print a summary, write the outputs asked for.
+
+    :param args: namespace from a parser built with :func:`add_arguments`.
+    :returns: 0 on success, 2 on bad input (message on stderr).
+    """
+    try:
+        spec = spec_from_args(args)
+        result = run_spec(spec, None if args.quiet else _progress)
+    except ValueError as exc:
+        print(f"rlbatch sweep: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_summary(result))
+    _write_outputs(result, args)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry point (``python -m rlbatch.sweep``), same arguments.
+
+    :param argv: arguments (``None``: ``sys.argv[1:]``).
+    """
+    parser = argparse.ArgumentParser(
+        prog="rlbatch sweep",
+        description="The tuning guide's benchmark checklist: throughput, latency, KV cache "
+                    "and memory per (batch, seq_len), and verdicts on its two recommended "
+                    "configurations.")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

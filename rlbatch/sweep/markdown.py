@@ -1,0 +1,155 @@
+"""The sweep as a Markdown report: verdicts on the guide's configurations, recommendations,
+the measured points and the memory breakdown."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from rlbatch.sweep.guide import GuideCheck
+from rlbatch.sweep.sweep import METHOD, SweepResult, precision_note
+
+
+def _f(value: float | int | None, fmt: str, scale: float = 1.0) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(scale * value if scale != 1.0 else value, fmt)
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+def _guide_section(checks: Sequence[GuideCheck]) -> list[str]:
+    lines = ["## The guide's configurations", ""]
+    if not checks:
+        return [*lines, "Not checked (run without the guide check).", ""]
+    rows = []
+    for c in checks:
+        verdict = {"holds": "**holds**", "fails": "**fails**"}.get(c.verdict, c.verdict)
+        rows.append([c.name, c.guide_text, verdict])
+    lines += _table(["configuration", "guide", "verdict"], rows)
+    lines.append("")
+    for c in checks:
+        lines += [f"### {c.name}: {c.guide_text}", "", c.summary, ""]
+        if c.points:
+            rows = [[str(p["seq_len"]), str(p["batch"]), p["precision"], p["source"],
+                     _f(p["throughput_output_tok_s"], ".0f"), _f(p["ttft_p99_s"], ".2f"),
+                     _f(p["tpot_p99_s"], ".0f", 1000), _f(p["e2e_p99_s"], ".2f"),
+                     _f(p["kv_cache_usage_peak"], ".0f", 100), str(p["preemptions"]),
+                     "yes" if p["ok"] else "no: " + "; ".join(p["failures"])]
+                    for p in c.points]
+            lines += _table(["seq_len", "batch", "precision", "measured in", "out tok/s",
+                             "TTFT p99 s", "TPOT p99 ms", "e2e p99 s", "KV peak %",
+                             "preempt", "passes"], rows)
+            lines.append("")
+    return lines
+
+
+def _recommendation_section(result: SweepResult) -> list[str]:
+    lines = [f"## What the sweep recommends ({result.precision})", "",
+             "Per sequence length: the largest batch, and the batch with the most output "
+             "tokens/s, whose P99 latency and TPOT meet the SLA with no preemption or KV "
+             "overflow. *Pool fits* is how many sequences of this length the KV pool holds at "
+             "once; larger batches must preempt.", ""]
+    rows = []
+    for r in result.recommendations:
+        if not r.runnable:
+            rows.append([str(r.seq_len), "not runnable", "-", "-", "-", "-",
+                         str(r.kv_fit_batch)])
+            continue
+        rows.append([str(r.seq_len), _f(r.largest_batch_meeting_sla, "d"),
+                     _f(r.max_throughput_batch, "d"), _f(r.max_throughput_output_tok_s, ".0f"),
+                     _f(r.max_throughput_total_tok_s, ".0f"),
+                     _f(r.first_kv_overflow_batch, "d") if r.first_kv_overflow_batch
+                     else "none swept", str(r.kv_fit_batch)])
+    lines += _table(["seq_len", "largest batch meeting SLA", "max tokens/s batch",
+                     "its out tok/s", "its total tok/s", "KV overflow from batch",
+                     "pool fits"], rows)
+    return [*lines, ""]
+
+
+def _points_section(result: SweepResult) -> list[str]:
+    lines = ["## Measured points", "",
+             "Latencies: TTFT and e2e from the moment a request was sent (closed loop); "
+             "P50 / P95 / P99. *Max running*: most sequences running at once (below the batch "
+             "when the KV pool cannot hold that many). *KV overflow*: iterations in which a "
+             "running request found no free KV block.", ""]
+    rows = []
+    skipped = []
+    for p in result.points:
+        if not p.runnable:
+            skipped.append(f"- seq_len {p.seq_len}, batch {p.batch}: {p.reason}")
+            continue
+        rows.append([
+            str(p.seq_len), str(p.batch), _f(p.throughput_output_tok_s, ".0f"),
+            _f(p.throughput_total_tok_s, ".0f"), _f(p.throughput_rps, ".2f"),
+            " / ".join(_f(v, ".2f") for v in (p.ttft_p50_s, p.ttft_p95_s, p.ttft_p99_s)),
+            " / ".join(_f(v, ".0f", 1000) for v in (p.tpot_p50_s, p.tpot_p95_s, p.tpot_p99_s)),
+            " / ".join(_f(v, ".2f") for v in (p.e2e_p50_s, p.e2e_p95_s, p.e2e_p99_s)),
+            _f(p.kv_cache_usage_peak, ".0f", 100), _f(p.max_running, "d"),
+            _f(p.preemptions, "d"), _f(p.kv_overflows, "d"), "yes" if p.ok else "no"])
+    lines += _table(["seq_len", "batch", "out tok/s", "total tok/s", "req/s", "TTFT s",
+                     "TPOT ms", "e2e s", "KV peak %", "max running", "preempt",
+                     "KV overflow", "passes"], rows)
+    if skipped:
+        lines += ["", "Not runnable:", "", *skipped]
+    return [*lines, ""]
+
+
+def _memory_section(result: SweepResult) -> list[str]:
+    plan = result.plan
+    gib = 2**30
+    lines = ["## Memory (GiB)", "",
+             f"vLLM pre-allocates GPU memory x gpu_memory_utilization = "
+             f"{plan.gpu_memory_bytes / gib:.1f} x {plan.gpu_memory_utilization:g} = "
+             f"{plan.budget_bytes / gib:.2f} GiB: weights {plan.weights_bytes / gib:.2f}, "
+             f"activation reserve {plan.activation_reserve_bytes / gib:.2f}, and a KV pool of "
+             f"{plan.num_kv_blocks:,} blocks = {plan.kv_pool_tokens:,} tokens "
+             f"({plan.kv_bytes_per_token / 2**20:.2f} MiB per token). Each row sums to the "
+             f"budget; activations + buffers is the rest of it.", ""]
+    rows = []
+    for p in result.points:
+        if p.memory is None:
+            continue
+        m = p.memory
+        rows.append([str(p.seq_len), str(p.batch)] + [
+            f"{m[k]:.2f}" for k in ("weights_gib", "kv_in_use_peak_gib",
+                                    "kv_reserved_free_gib", "activations_buffers_gib",
+                                    "total_gib")])
+    lines += _table(["seq_len", "batch", "weights", "KV in use (peak)", "KV reserved, free",
+                     "activations + buffers", "total"], rows)
+    return [*lines, ""]
+
+
+def render_markdown(result: SweepResult, plot_link: str | None = None) -> str:
+    """The report.
+
+    :param result: the sweep.
+    :param plot_link: path of the PNG relative to the report (embedded when given).
+    """
+    spec = result.spec
+    requests = (f"{spec.num_requests}" if spec.num_requests is not None
+                else "max(8 x batch, 64)")
+    lines = [f"# Benchmark sweep: {result.model} on {result.gpu}, {result.precision} "
+             f"(engine {spec.engine})", ""]
+    if plot_link:
+        lines += [f"![sweep]({plot_link})", ""]
+    lines += [
+        f"- GPU **{result.gpu}**, model **{result.model}** (context {result.max_model_len} "
+        f"tokens), {precision_note(result.precision, result.gpu_fp8)}",
+        f"- batch sizes {', '.join(map(str, spec.batches))}; prompt lengths (seq_len) "
+        f"{', '.join(map(str, spec.seq_lens))}; output {spec.output_len} tokens; "
+        f"{requests} requests per point",
+        f"- SLA: {spec.sla.describe()}; a point *passes* when it meets it with no preemption, "
+        f"no KV overflow and the KV pool admitting the whole batch (the guide's test)",
+        f"- Method: {METHOD}",
+        "",
+    ]
+    lines += _guide_section(result.guide_checks)
+    lines += _recommendation_section(result)
+    lines += _points_section(result)
+    lines += _memory_section(result)
+    return "\n".join(lines)
