@@ -28,10 +28,11 @@ def main() -> int:
     parser.add_argument("--controller", default="static:16")
     parser.add_argument("--gpu", default="a100-80g")
     parser.add_argument("--model", default="llama-2-7b")
+    parser.add_argument("--rate-scale", type=float, default=1.0)
     parser.add_argument("--repeat", type=int, default=3, help="best of N for the skipping run")
     args = parser.parse_args()
     t0 = time.perf_counter()
-    workload = load_trace(args.trace)
+    workload = load_trace(args.trace, rate_scale=args.rate_scale)
     load_s = time.perf_counter() - t0
     spec = DeploymentSpec(gpu=args.gpu, model=args.model)
     print(f"{workload.describe()}\nload {load_s * 1e3:.0f} ms; python {platform.python_version()}"

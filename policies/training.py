@@ -58,9 +58,9 @@ class TrainConfig:
     :param net_arch: hidden layer widths of the actor and critic.
     """
 
-    timesteps: int = 150_000
+    timesteps: int = 300_000
     n_envs: int = 2
-    vec_env: Literal["dummy", "subproc"] = "subproc"
+    vec_env: Literal["dummy", "subproc"] = "dummy"
     seed: int = 0
     scenario: str = "mixed"
     traces: tuple[str, ...] = field(
