@@ -97,7 +97,7 @@ class AimdController(GuardedController):
     TTFT P99 does while nothing queues: prefill contention, not queueing) has its cap
     multiplied by ``decrease``; otherwise, if it has work waiting, the cap grows by
     ``increase``. A TTFT breach with a queue is queueing delay, which a smaller cap only
-    makes worse.
+    makes worse. Decreases are at most one per ``cooldown_s``: the window P99 lags.
 
     :param start_cap: initial cap.
     :param increase: additive step.
@@ -106,7 +106,8 @@ class AimdController(GuardedController):
     """
 
     def __init__(self, start_cap: int = 8, increase: int = 1, decrease: float = 0.5,
-                 target: float = 0.9, guard: GuardConfig | None = None) -> None:
+                 target: float = 0.9, cooldown_s: float = 10.0,
+                 guard: GuardConfig | None = None) -> None:
         super().__init__("aimd", guard)
         if start_cap < 1 or increase < 0 or not 0 < decrease < 1 or not 0 < target <= 1:
             raise ValueError(f"aimd needs start_cap >= 1, increase >= 0, 0 < decrease < 1, "
@@ -116,10 +117,13 @@ class AimdController(GuardedController):
         self.increase = increase
         self.decrease = decrease
         self.target = target
+        self.cooldown_s = cooldown_s
         self._caps: list[float] = []
+        self._decreased_at: list[float] = []
 
     def on_reset(self, info: DeploymentInfo) -> None:
         self._caps = [float(self.start_cap)] * len(info.buckets)
+        self._decreased_at = [-float("inf")] * len(info.buckets)
 
     def propose(self, stats: DeploymentStats | None) -> ControlAction:
         assert self.info is not None
@@ -132,7 +136,9 @@ class AimdController(GuardedController):
                           or (w.ttft_p99_s[b] > self.target * sla.ttft_s
                               and stats.queued[b] == 0))
                 if breach:
-                    self._caps[b] = max(1.0, self._caps[b] * self.decrease)
+                    if stats.time_s - self._decreased_at[b] >= self.cooldown_s:
+                        self._caps[b] = max(1.0, self._caps[b] * self.decrease)
+                        self._decreased_at[b] = stats.time_s
                 elif stats.queued[b] > 0:
                     self._caps[b] = min(float(max_cap), self._caps[b] + self.increase)
         pool = self.info.pool_names[0]

@@ -24,7 +24,8 @@ Rules, applied in this order to the proposed caps (each only ever lowers a cap):
     the load.)
 ``p99``
     a sliding-window P99 above the SLA falls back: by default a multiplicative decrease
-    (halve the caps in force, floor ``p99_floor_cap``), held until the P99 has been back
+    (halve the caps in force, floor ``p99_floor_cap``; at most once per ``p99_cooldown_s``
+    so the window can show the effect), held until the P99 has been back
     within SLA for ``p99_hold_s``; ``p99_fallback="no_batching"`` is the guide's literal
     "fall back to no batching" (cap 1). By default the rule watches TPOT, the latency a batch
     size inflates; TTFT breaches under overload come from queueing, where shrinking caps only
@@ -73,6 +74,9 @@ class GuardConfig:
     :param p99_fallback: ``halve`` (multiplicative decrease) or ``no_batching`` (cap 1).
     :param p99_floor_cap: lowest cap the ``halve`` fallback goes to.
     :param p99_hold_s: P99 must be back within SLA this long before the fallback lifts.
+    :param p99_cooldown_s: after a decrease, wait this long before decreasing again: the
+        window P99 needs time to show the effect of smaller caps (halving every tick on a
+        30 s window drives caps to the floor before the first decrease is even visible).
     :param efficiency: enable the batch-efficiency monitor.
     :param efficiency_threshold: efficiency below which caps shrink.
     :param efficiency_factor: multiplier applied to the caps in force.
@@ -96,6 +100,7 @@ class GuardConfig:
     p99_fallback: Literal["halve", "no_batching"] = "halve"
     p99_floor_cap: int = 4
     p99_hold_s: float = 30.0
+    p99_cooldown_s: float = 10.0
     efficiency: bool = True
     efficiency_threshold: float = 0.7
     efficiency_factor: float = 0.75
@@ -109,7 +114,8 @@ class GuardConfig:
                 set(self.ladder)):
             raise ValueError(f"ladder must be strictly increasing positive ints, got "
                              f"{self.ladder}")
-        for name in ("warmup_s", "warmup_step_s", "kv_high_duration_s", "p99_hold_s"):
+        for name in ("warmup_s", "warmup_step_s", "kv_high_duration_s", "p99_hold_s",
+                     "p99_cooldown_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.warmup_start_cap < 1 or self.warmup_step < 0:
@@ -165,6 +171,7 @@ class GuardState:
     kv_high_limit: tuple[int, ...] | None = None
     p99_active: bool = False
     p99_ok_since_s: float | None = None
+    p99_decreased_at_s: float | None = None
     p99_limit: tuple[int, ...] | None = None
     efficiency_active: bool = False
     warmup_active: bool = False
@@ -315,17 +322,22 @@ class Guard:
         if "ttft" in cfg.p99_metrics and w.ttft_p99_all_s > self._sla_ttft_s:
             breach = True
         if breach:
-            if cfg.p99_fallback == "no_batching":
-                limit = (1,) * self._n_buckets
-            else:
-                base = st.p99_limit if st.p99_active and st.p99_limit else tuple(in_force)
-                limit = tuple(max(min(cfg.p99_floor_cap, c), c // 2) for c in base)
-            st.p99_active, st.p99_ok_since_s, st.p99_limit = True, None, limit
+            cooling = (st.p99_active and st.p99_decreased_at_s is not None
+                       and t - st.p99_decreased_at_s < cfg.p99_cooldown_s)
+            if not cooling:
+                if cfg.p99_fallback == "no_batching":
+                    limit = (1,) * self._n_buckets
+                else:
+                    base = st.p99_limit if st.p99_active and st.p99_limit else tuple(in_force)
+                    limit = tuple(max(min(cfg.p99_floor_cap, c), c // 2) for c in base)
+                st.p99_limit, st.p99_decreased_at_s = limit, t
+            st.p99_active, st.p99_ok_since_s = True, None
         elif st.p99_active:
             if st.p99_ok_since_s is None:
                 st.p99_ok_since_s = t
             if t - st.p99_ok_since_s >= cfg.p99_hold_s:
                 st.p99_active, st.p99_ok_since_s, st.p99_limit = False, None, None
+                st.p99_decreased_at_s = None
         if st.p99_active and st.p99_limit is not None:
             return self._limit(caps, st.p99_limit, "p99", overrides)
         return caps

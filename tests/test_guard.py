@@ -183,3 +183,12 @@ def test_guard_keeps_random_policy_free_of_kv_overflow_on_traces(
     unguarded = run(workload, make_controller("vllm-default"), spec, drain_s=60).row
     if trace.startswith("azure"):
         assert unguarded["kv_overflows"] > 0  # the load does overflow without the guard
+
+
+def test_p99_decrease_waits_for_the_window_to_show_its_effect() -> None:
+    guard = Guard(GuardConfig(warmup=False, p99_cooldown_s=10))
+    guard.reset(INFO)
+    caps = [guard.check(PROPOSED, _stats(t, tpot_p99=0.5, caps=(64,) * 4))[0].caps[0]
+            for t in range(10, 31)]
+    assert caps[0] == 32 and set(caps[1:10]) == {32}  # one decrease per 10 s of breach
+    assert caps[10] == 16 and caps[20] == 8
