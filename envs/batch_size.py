@@ -72,7 +72,7 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
 
         r = (met - 0.5 missed) / norm - 0.2 late_queue - 0.05 preemptions / norm
             - 1.0 [kv_overflow] - 0.02 overrides / B - 0.015 met_fp8 / norm
-            + 0.2 (worst bucket attainment - 1)
+            + 0.5 (worst bucket attainment - 1)
 
     with ``norm`` the episode's expected arrivals per tick. ``info["reward_parts"]`` holds
     every component.

@@ -20,6 +20,7 @@ import numpy as np
 
 import envs
 from policies.artifact import load_artifact, save_artifact
+from policies.compare import starved_buckets
 from policies.ppo import PpoController
 from rlbatch import __version__
 from rlbatch.control import DeploymentStats, make_controller
@@ -58,7 +59,7 @@ class TrainConfig:
     :param net_arch: hidden layer widths of the actor and critic.
     """
 
-    timesteps: int = 300_000
+    timesteps: int = 400_000
     n_envs: int = 2
     vec_env: Literal["dummy", "subproc"] = "dummy"
     seed: int = 0
@@ -70,7 +71,7 @@ class TrainConfig:
     pools: str = "fp16"
     episode_s: float = 600.0
     out: str = "runs/ppo"
-    eval_freq: int = 25_000
+    eval_freq: int = 40_000
     n_steps: int = 1024
     batch_size: int = 256
     n_epochs: int = 10
@@ -134,16 +135,27 @@ def export_policy(model: Any, env_unwrapped: Any, cfg: TrainConfig, path: Path,
 
 
 def eval_workloads(cfg: TrainConfig) -> list[tuple[str, Workload]]:
-    """Fixed evaluation workloads used during training (a training-trace slice at two loads
-    and the guide's night scenario)."""
+    """Fixed evaluation workloads used during training: training-trace slices from light to
+    contested load at different offsets, and the guide's night and a bursty scenario."""
     out: list[tuple[str, Workload]] = []
     if cfg.traces:
         trace = load_trace(cfg.traces[0])
-        for scale in (0.5, 0.8):
+        for start, scale in ((300.0, 0.35), (1200.0, 0.5), (2000.0, 0.65), (600.0, 0.8)):
             out.append((f"{trace.name}@{scale:g}",
-                        slice_trace(trace, 1200.0, cfg.episode_s, scale)))
+                        slice_trace(trace, start, cfg.episode_s, scale)))
     out.append(("night", make_scenario("night", seed=10_000, duration_s=cfg.episode_s)))
+    out.append(("bursty", make_scenario("bursty", seed=10_001, duration_s=cfg.episode_s)))
     return out
+
+
+def eval_score(row: dict[str, Any], statics: list[dict[str, Any]]) -> float:
+    """Goodput ratio to the best static cap of the workload (capped at 1.5 so one collapsed
+    run cannot hide the others), minus 0.1 per bucket more than 5 points below that static's
+    SLA attainment (no starving a bucket)."""
+    best = max(statics, key=lambda r: float(r["goodput_rps"]))
+    best_goodput = float(best["goodput_rps"])
+    ratio = float(row["goodput_rps"]) / best_goodput if best_goodput > 0 else 1.0
+    return min(ratio, 1.5) - 0.1 * len(starved_buckets(row, best))
 
 
 class TrainingCallbacks:
@@ -226,8 +238,7 @@ class TrainingCallbacks:
                     self._record_row(f"eval/{name}/ppo", row)
                     statics = [r for b, r in self.baseline_rows[name].items()
                                if b.startswith("static")]
-                    best = max(float(r["goodput_rps"]) for r in statics)
-                    scores.append(float(row["goodput_rps"]) / best if best > 0 else 1.0)
+                    scores.append(eval_score(row, statics))
                 score = float(np.mean(scores))
                 self.logger.record("eval/score", score)
                 self.history.append({"timesteps": self.num_timesteps, "score": score})

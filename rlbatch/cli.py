@@ -67,6 +67,11 @@ def _window(text: str) -> tuple[float, float]:
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("deployment")
+    g.add_argument("--engine", choices=("sim", "vllm"), default="sim",
+                   help="the simulator, or real in-process vLLM engines (--model tiny or a "
+                        "checkpoint folder; runs in wall-clock time)")
+    g.add_argument("--profile", default=None,
+                   help="calibrated step-time profile for the simulator (rlbatch calibrate)")
     g.add_argument("--gpu", default="a100-80g",
                    help="GPU profile name or JSON file (a100-80g, h100-80g, h200-141g)")
     g.add_argument("--model", default="llama-2-7b",
@@ -119,7 +124,7 @@ def _spec(args: argparse.Namespace) -> DeploymentSpec:
                                   max_queue_len=args.max_queue_len),
         event_skipping=not args.no_event_skipping,
         sla=SLA(ttft_s=args.sla_ttft_s, tpot_s=args.sla_tpot_s), tick_s=args.tick_s,
-        cold_start=args.cold_start)
+        cold_start=args.cold_start, engine=args.engine, profile=args.profile)
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
@@ -129,7 +134,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     spec = _spec(args)
     jobs = [EvalJob(c, t, r, spec, args.window, args.max_requests, args.seed, args.drain_s)
             for t in args.trace for r in args.rate_scale for c in names]
-    rows = run_jobs(jobs, n_jobs=args.jobs, quiet=args.quiet)
+    # Live engines run in wall-clock time and share the CPU: one run at a time.
+    n_jobs = 1 if args.engine == "vllm" else args.jobs
+    rows = run_jobs(jobs, n_jobs=n_jobs, quiet=args.quiet)
     print(format_table(rows))
     if args.json:
         write_json(Path(args.json), rows)
@@ -200,6 +207,22 @@ def build_parser() -> argparse.ArgumentParser:
                                     "row of vidur-format profiling CSVs and report the error.")
     profile_check_mod.add_arguments(pc)
     pc.set_defaults(func=profile_check_mod.run)
+
+    from rlbatch import calibrate as calibrate_mod
+    from rlbatch import fidelity as fidelity_mod
+
+    ca = sub.add_parser("calibrate", help="fit the simulator's step-time model to a live vLLM "
+                        "engine", description="Profiling sweep on a live vLLM engine (batch x "
+                        "prompt x output lengths), fit of the simulator's step-time model, "
+                        "written as a profile file (--profile FILE).")
+    calibrate_mod.add_arguments(ca)
+    ca.set_defaults(func=calibrate_mod.run)
+    fi = sub.add_parser("fidelity", help="replay workloads on the live engine and the "
+                        "calibrated simulator", description="Per-request TTFT/e2e error, "
+                        "throughput error and preemptions of the simulator against a live "
+                        "vLLM engine on the same workloads.")
+    fidelity_mod.add_arguments(fi)
+    fi.set_defaults(func=fidelity_mod.run)
 
     from rlbatch import sweep as sweep_mod
 

@@ -64,6 +64,10 @@ class DeploymentSpec:
     :param tick_s: control interval.
     :param cold_start: treat the run as starting right after an engine start (the guard's
         warm-up ramp applies); the simulator itself has no cold-start cost.
+    :param engine: ``sim`` (the simulator) or ``vllm`` (real in-process vLLM engines; the
+        model is ``tiny`` or a checkpoint folder).
+    :param profile: a calibrated step-time profile (``rlbatch calibrate``) the simulator
+        uses instead of the roofline model.
     """
 
     gpu: str = "a100-80g"
@@ -81,6 +85,8 @@ class DeploymentSpec:
     sla: SLA = field(default_factory=SLA)
     tick_s: float = 1.0
     cold_start: bool = False
+    engine: str = "sim"
+    profile: str | None = None
 
     def __post_init__(self) -> None:
         if not self.pools:
@@ -90,6 +96,8 @@ class DeploymentSpec:
                 raise ValueError(f"unknown pool {pool!r}; pools are {PRECISIONS}")
         if not self.tick_s > 0:
             raise ValueError(f"tick_s must be > 0, got {self.tick_s}")
+        if self.engine not in ("sim", "vllm"):
+            raise ValueError(f"engine must be 'sim' or 'vllm', got {self.engine!r}")
 
 
 class Deployment:
@@ -167,9 +175,27 @@ class Deployment:
     def snapshot(self) -> tuple[EngineStats, ...]:
         return tuple(e.snapshot() for e in self.engines)
 
+    def close(self) -> None:
+        """Release engines that hold resources (live vLLM engines: model and KV pool)."""
+        for engine in self.engines:
+            close = getattr(engine, "close", None)
+            if close is not None:
+                close()
+
 
 def build_deployment(spec: DeploymentSpec) -> Deployment:
-    """Load the profiles named in ``spec`` and build its engines (simulated)."""
+    """Build the engines ``spec`` names: simulated (roofline or calibrated profile) or live
+    vLLM."""
+    if spec.engine == "vllm":
+        from rlbatch.engine.vllm_engine import build_live_deployment
+
+        live: Deployment = build_live_deployment(spec)
+        return live
+    if spec.profile is not None:
+        from rlbatch.calibrate import build_profile_deployment
+
+        calibrated: Deployment = build_profile_deployment(spec)
+        return calibrated
     gpu = load_gpu(spec.gpu)
     model = load_model(spec.model)
     default_seqs, default_tokens = vllm_default_budgets(gpu.name)

@@ -57,13 +57,16 @@ def run(
     deployment = build_deployment(spec)
     loop = ControlLoop(deployment, workload.requests, controller.reset(deployment.info),
                        window_s=window_s, drain_s=drain_s)
-    while True:
-        stats = loop.tick()
-        if on_tick is not None:
-            on_tick(stats)
-        if loop.finished:
-            break
-        loop.apply(controller.decide(stats))
+    try:
+        while True:
+            stats = loop.tick()
+            if on_tick is not None:
+                on_tick(stats)
+            if loop.finished:
+                break
+            loop.apply(controller.decide(stats))
+    finally:
+        deployment.close()
     info = deployment.info
     row: dict[str, Any] = {
         "controller": controller.name,

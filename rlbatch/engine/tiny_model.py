@@ -19,12 +19,14 @@ divisible by 32 for an FP8 KV cache.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -156,7 +158,10 @@ def _build(spec: TinyModelSpec, folder: Path) -> None:
     """Write config, weights and tokenizer of ``spec`` into ``folder``."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    # transformers' stubs fight mypy --strict (untyped constructors, dtype overloads): use it
+    # as an untyped module.
+    transformers: Any = importlib.import_module("transformers")
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -165,15 +170,15 @@ def _build(spec: TinyModelSpec, folder: Path) -> None:
         vocab_size=spec.vocab_size, special_tokens=["<s>", "</s>", "<unk>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_training_text(spec.seed), trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
+                                                eos_token="</s>", unk_token="<unk>")
     vocab = len(fast)
     if vocab > spec.vocab_size:
         raise RuntimeError(f"tokenizer has {vocab} tokens, more than vocab_size "
                            f"{spec.vocab_size}")
     fast.save_pretrained(folder)
 
-    config = LlamaConfig(
+    config = transformers.LlamaConfig(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -185,12 +190,12 @@ def _build(spec: TinyModelSpec, folder: Path) -> None:
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,
         tie_word_embeddings=False,
-        torch_dtype="bfloat16",
+        dtype="bfloat16",
     )
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(spec.seed)
-        model = LlamaForCausalLM(config)
+        model = transformers.LlamaForCausalLM(config)
     finally:
         torch.random.set_rng_state(generator_state)
     model = model.to(torch.bfloat16)
