@@ -14,7 +14,7 @@ from rlbatch.action_codec import ActionCodec
 from rlbatch.admission import AdmissionConfig
 from rlbatch.buckets import Buckets
 from rlbatch.control import SLA, ControlAction, DeploymentInfo, DeploymentStats
-from rlbatch.deployment import DeploymentSpec, build_deployment, parse_pools
+from rlbatch.deployment import Deployment, DeploymentSpec, build_deployment, parse_pools
 from rlbatch.guard import Guard, GuardConfig
 from rlbatch.loop import ControlLoop
 from rlbatch.observation import CLIP, GLOBAL_FEATURES, PER_BUCKET_FEATURES, ObservationBuilder
@@ -72,7 +72,7 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
 
         r = (met - 0.5 missed) / norm - 0.2 late_queue - 0.05 preemptions / norm
             - 1.0 [kv_overflow] - 0.02 overrides / B - 0.015 met_fp8 / norm
-            + 0.5 (worst bucket attainment - 1)
+            + 0.2 (worst bucket attainment - 1)
 
     with ``norm`` the episode's expected arrivals per tick. ``info["reward_parts"]`` holds
     every component.
@@ -91,13 +91,17 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     ``gymnasium.make("rlbatch/BatchSize-v0", scenario="mixed", traces=None,
     episode_s=600, tick_s=1.0, drain_s=120, gpu="a100-80g", model="llama-2-7b",
     pools="fp16", ladder=None, guard=None, reward=None, sla=None, buckets=None,
-    load_scale=1.0)``
+    load_scale=1.0, window_s=30, engine="sim", max_model_len=None)``
 
     * ``scenario``: ``mixed`` (trace slices + generators), a named scenario (``day``,
       ``night``, ``bursty``, ``diurnal``), or a trace file path (random slices of it).
     * ``traces``: training traces for ``mixed`` (default: the shipped Azure trace).
     * ``pools``: ``fp16``, ``fp8`` or ``fp16:1,fp8:1`` (then the pool action is live).
     * ``guard``: a :class:`~rlbatch.guard.GuardConfig` (default: the guide's rules).
+    * ``engine``: ``sim`` (default) or ``vllm``: real in-process vLLM engines (``model="tiny"``
+      here, a checkpoint folder on a GPU host); ticks are then wall-clock, each reset starts
+      fresh engines, and the guard's warm-up applies (a cold start).
+    * ``max_model_len``: longest prompt + output accepted (default: the model's).
 
     ## Version history
     * v0: initial version.
@@ -122,6 +126,8 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
         buckets: Buckets | None = None,
         load_scale: float = 1.0,
         window_s: float = 30.0,
+        engine: str = "sim",
+        max_model_len: int | None = None,
     ) -> None:
         super().__init__()
         if not episode_s > 0 or not tick_s > 0 or not drain_s >= 0:
@@ -140,8 +146,10 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
         self.load_scale = load_scale
         self.deployment_spec = DeploymentSpec(
             gpu=gpu, model=model, pools=parse_pools(pools), buckets=buckets or Buckets(),
-            sla=sla or SLA(), tick_s=tick_s, max_model_len=guard_cfg.max_seq_len,
-            admission=AdmissionConfig(over_length=guard_cfg.over_length))
+            sla=sla or SLA(), tick_s=tick_s,
+            max_model_len=max_model_len or guard_cfg.max_seq_len,
+            admission=AdmissionConfig(over_length=guard_cfg.over_length), engine=engine,
+            cold_start=engine == "vllm")
         self.pool_names = tuple(self.deployment_spec.pools)
         n_b = len(self.deployment_spec.buckets)
         self.codec = ActionCodec(self.ladder, self.pool_names, n_b)
@@ -158,6 +166,7 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
             self._sampler = ScenarioSampler((scenario,), trace_fraction=1.0,
                                             load_scale=load_scale)
         self._loop: ControlLoop | None = None
+        self._deployment: Deployment | None = None
         self._info: DeploymentInfo | None = None
         self._builder: ObservationBuilder | None = None
         self._last_stats: DeploymentStats | None = None
@@ -172,7 +181,9 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
         if workload is None:
             workload = self._draw_workload()
         self.workload = workload
+        self.close()
         deployment = build_deployment(self.deployment_spec)
+        self._deployment = deployment
         info = deployment.info
         self._info = info
         self.guard.reset(info)
@@ -216,6 +227,12 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
         if truncated:
             info["episode_summary"] = self._loop.summary()
         return obs, reward, False, truncated, info
+
+    def close(self) -> None:
+        """Release the engines of the current episode (live vLLM engines hold a model)."""
+        if self._deployment is not None:
+            self._deployment.close()
+            self._deployment = None
 
     # ------------------------------------------------------------------ helpers
     def decode_action(self, action: np.ndarray | list[int] | tuple[int, ...]) -> ControlAction:

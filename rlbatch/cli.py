@@ -155,8 +155,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(format_table([row]))
     print()
     print(format_buckets(row))
-    print(f"\nsimulated {row['sim_seconds']:.0f} s in {row['wall_seconds']:.2f} s wall "
-          f"({row['speedup_x']:.0f}x real time)")
+    if args.engine == "vllm":
+        print(f"\nran {row['sim_seconds']:.0f} s of traffic on live vLLM engines in "
+              f"{row['wall_seconds']:.1f} s wall (engine start-up included)")
+    else:
+        print(f"\nsimulated {row['sim_seconds']:.0f} s in {row['wall_seconds']:.2f} s wall "
+              f"({row['speedup_x']:.0f}x real time)")
     if args.json:
         write_json(Path(args.json), row)
         print(f"wrote {args.json}")

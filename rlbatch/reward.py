@@ -6,9 +6,7 @@
         - w_overflow * [kv_overflows > 0]                 KV cache overflow
         - w_guard * overrides / buckets                   guard had to step in
         - w_fp8 * met_fp8 / norm                          FP8 quality cost (guide: <= 1.5%)
-        + w_fair * (worst bucket window attainment - 1)   no starving a bucket (a bucket with
-                                                          no completion but a late queue
-                                                          head counts as 0)
+        + w_fair * (worst bucket window attainment - 1)   no starving a bucket
 
 ``norm`` = expected arrivals per tick of the episode, so a tick where every arrival meets
 the SLA scores about 1.
@@ -42,7 +40,7 @@ class RewardConfig:
     w_overflow: float = 1.0
     w_guard: float = 0.02
     w_fp8: float = 0.015
-    w_fair: float = 0.5
+    w_fair: float = 0.2
 
 
 def compute_reward(stats: DeploymentStats, overrides: int, norm: float, sla: SLA,
@@ -64,11 +62,6 @@ def compute_reward(stats: DeploymentStats, overrides: int, norm: float, sla: SLA
     overflow = any(es.kv_overflows > 0 for es in stats.engines)
     w = stats.window
     attain = [m / c for m, c in zip(w.sla_met, w.completed, strict=True) if c > 0]
-    # A bucket starved so hard that nothing of it completes in the window still counts: its
-    # late queue head scores it 0.
-    waits = stats.oldest_wait_s or (0.0,) * len(w.completed)
-    attain += [0.0 for c, wait in zip(w.completed, waits, strict=True)
-               if c == 0 and wait > sla.ttft_s]
     worst = min(attain) if attain else 1.0
     norm = max(norm, 1e-6)
     parts = {

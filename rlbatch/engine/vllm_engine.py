@@ -805,6 +805,11 @@ def running_engines(engines: list[VllmEngine]) -> Iterator[list[VllmEngine]]:
 # --------------------------------------------------------------------------- deployment
 
 
+#: KV pool of the tiny model when nothing else sizes it: 64 MiB, about 131k tokens at its
+#: 512 bytes per token (2 layers x 2 KV heads x 32 dims x K,V x bf16).
+TINY_KV_CACHE_BYTES = 64 << 20
+
+
 def live_config_from_spec(spec: Any, base: VllmEngineConfig | None = None) -> VllmEngineConfig:
     """The engine settings a :class:`~rlbatch.deployment.DeploymentSpec` asks for.
 
@@ -837,6 +842,11 @@ def live_config_from_spec(spec: Any, base: VllmEngineConfig | None = None) -> Vl
     if "max_num_batched_tokens" not in changes and "max_num_seqs" in changes:
         changes["max_num_batched_tokens"] = max(config.max_num_batched_tokens,
                                                 changes["max_num_seqs"])
+    if (config.kv_cache_memory_bytes is None and blocks is None
+            and changes.get("model", config.model) == TINY_MODEL):
+        # On CPU vLLM otherwise reserves gpu_memory_utilization x host memory and refuses to
+        # start when other processes hold part of it; the tiny model needs very little.
+        changes["kv_cache_memory_bytes"] = TINY_KV_CACHE_BYTES
     return replace(config, **changes)
 
 
