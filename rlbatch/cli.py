@@ -12,57 +12,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TypeVar
 
 from tqdm import tqdm
 
 from rlbatch.admission import AdmissionConfig
+from rlbatch.argtypes import checked, parse_window, positive_floats
 from rlbatch.buckets import Buckets
 from rlbatch.control import SLA, controller_specs, make_controller
 from rlbatch.deployment import DeploymentSpec, parse_pools
 from rlbatch.evaluate import EvalJob, load_job_workload, run_job, run_jobs
 from rlbatch.report import format_buckets, format_table, write_json
-
-T = TypeVar("T")
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") \
-            from None
-    if not values or any(not v > 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
-    return values
-
-
-def _checked(parse: Callable[[str], T]) -> Callable[[str], T]:
-    """An argparse ``type`` that shows the parser's own error message."""
-
-    def wrapper(text: str) -> T:
-        try:
-            return parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    wrapper.__name__ = parse.__name__
-    return wrapper
-
-
-def _window(text: str) -> tuple[float, float]:
-    start, sep, end = text.partition(":")
-    try:
-        lo, hi = float(start or 0), float(end)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"window must be START:END in seconds, got {text!r}") \
-            from None
-    if not sep or hi <= lo or lo < 0:
-        raise argparse.ArgumentTypeError(f"window must be START:END with 0 <= START < END, "
-                                         f"got {text!r}")
-    return lo, hi
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
@@ -77,7 +38,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="llama-2-7b",
                    help="model profile name or JSON file (llama-2-7b, llama-3.1-8b, "
                         "llama-2-70b, deepseek-v3)")
-    g.add_argument("--pools", default="fp16", type=_checked(parse_pools),
+    g.add_argument("--pools", default="fp16", type=checked(parse_pools),
                    help="pools and engines per pool, e.g. fp16 or fp16:1,fp8:1 (default fp16)")
     g.add_argument("--tp", type=int, default=None, help="tensor parallel degree "
                    "(default: the model profile's)")
@@ -93,7 +54,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                         "prompt; either way counted")
     g.add_argument("--max-queue-len", type=int, default=None,
                    help="per-bucket admission queue bound (default unbounded)")
-    g.add_argument("--buckets", type=_checked(Buckets.parse), default=Buckets(),
+    g.add_argument("--buckets", type=checked(Buckets.parse), default=Buckets(),
                    help="prompt-length bucket edges in tokens (default 1024,2048,4096)")
     g.add_argument("--no-event-skipping", action="store_true",
                    help="step every iteration (same results, slower; for checking)")
@@ -108,7 +69,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    help="how long after the last arrival a run may go on; what is left "
                         "counts as unfinished")
     w = p.add_argument_group("workload")
-    w.add_argument("--window", type=_window, default=None, metavar="START:END",
+    w.add_argument("--window", type=parse_window, default=None, metavar="START:END",
                    help="use only arrivals in [START, END) seconds of the trace")
     w.add_argument("--max-requests", type=int, default=None, help="first N requests only")
     w.add_argument("--seed", type=int, default=0, help="seed for generators and jitter")
@@ -185,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--controllers", default="static:{4,8,16,32},vllm-default",
                     help="comma-separated controllers; static:{8,16} expands "
                          "(default static:{4,8,16,32},vllm-default)")
-    ev.add_argument("--rate-scale", type=_floats, default=[1.0],
+    ev.add_argument("--rate-scale", type=positive_floats, default=[1.0],
                     help="comma-separated time-compression factors (2 = twice the rate)")
     ev.add_argument("--json", default=None, help="write the rows to this JSON file")
     ev.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes)")

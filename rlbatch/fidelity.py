@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from rlbatch.admission import Admission, AdmissionConfig
+from rlbatch.argtypes import parse_window
 from rlbatch.buckets import Buckets
 from rlbatch.calibrate import (
     CalibratedProfile,
@@ -417,19 +418,6 @@ def run_fidelity(profile: CalibratedProfile, engine: VllmEngine, workload: Workl
 # --------------------------------------------------------------------------- command line
 
 
-def _window(text: str) -> tuple[float, float]:
-    start, sep, end = text.partition(":")
-    try:
-        lo, hi = float(start or 0), float(end)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"window must be START:END seconds, got {text!r}") \
-            from None
-    if not sep or hi <= lo or lo < 0:
-        raise argparse.ArgumentTypeError(f"window must be START:END with 0 <= START < END, "
-                                         f"got {text!r}")
-    return lo, hi
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``python -m rlbatch fidelity``.
 
@@ -445,7 +433,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--trace", default=str(default_trace()),
                    help="trace file replayed (a slice; '' = none); default the Azure "
                         "conversation trace")
-    w.add_argument("--window", type=_window, default=(0.0, 60.0), metavar="START:END",
+    w.add_argument("--window", type=parse_window, default=(0.0, 60.0), metavar="START:END",
                    help="trace window in trace seconds (default 0:60)")
     w.add_argument("--rate-scale", type=float, default=4.0,
                    help="time compression of the trace slice (default 4)")

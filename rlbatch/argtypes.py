@@ -1,0 +1,46 @@
+"""argparse value types shared by the command-line tools."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def positive_floats(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") \
+            from None
+    if not values or any(not v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
+def checked(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """An argparse ``type`` that shows the parser's own error message."""
+
+    def wrapper(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    wrapper.__name__ = parse.__name__
+    return wrapper
+
+
+def parse_window(text: str) -> tuple[float, float]:
+    start, sep, end = text.partition(":")
+    try:
+        lo, hi = float(start or 0), float(end)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"window must be START:END in seconds, got {text!r}") \
+            from None
+    if not sep or hi <= lo or lo < 0:
+        raise argparse.ArgumentTypeError(f"window must be START:END with 0 <= START < END, "
+                                         f"got {text!r}")
+    return lo, hi
