@@ -1,8 +1,10 @@
-"""``rlbatch sweep``: the guide's benchmark checklist (simulator backend)."""
+"""``rlbatch sweep``: the guide's benchmark checklist (simulator backend; the live vLLM
+backend is in test_sweep_live.py)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -11,11 +13,23 @@ import pytest
 
 from rlbatch.control import make_controller
 from rlbatch.deployment import DeploymentSpec, build_deployment
+from rlbatch.engine.stats import FinishedRequest
 from rlbatch.request import Request
-from rlbatch.sweep import SweepPoint, SweepSLA, add_arguments, run, run_sweep
-from rlbatch.sweep.closed_loop import run_closed_loop
+from rlbatch.sweep import (
+    LIVE_DEFAULTS,
+    MemoryPlan,
+    SweepPoint,
+    SweepSLA,
+    add_arguments,
+    measured_breakdown,
+    run,
+    run_sweep,
+)
+from rlbatch.sweep.cli import spec_from_args
+from rlbatch.sweep.closed_loop import ClosedLoopResult, run_closed_loop
 from rlbatch.sweep.engines import EngineSetup, sim_engine
 from rlbatch.sweep.guide import GUIDE_CONFIGS, check_config
+from rlbatch.sweep.point import median_run
 
 GIB = 2**30
 TOP_KEYS = {"gpu", "model", "precision", "engine", "points", "recommendations", "guide_checks"}
@@ -58,6 +72,7 @@ def test_json_has_every_key_per_point(cli_run: Path) -> None:
     assert doc.keys() >= TOP_KEYS
     assert (doc["gpu"], doc["model"], doc["precision"], doc["engine"]) == (
         "a100-80g", "llama-2-7b", "fp16", "sim")
+    assert doc["memory_plan"]["source"] == "profile" and doc["notes"] == []
     assert [(p["seq_len"], p["batch"]) for p in doc["points"]] == [
         (512, 4), (512, 8), (512, 16), (4096, 4), (4096, 8), (4096, 16)]
     for p in doc["points"]:
@@ -177,16 +192,63 @@ def test_bad_grids_raise_clear_errors(batches: list[int], seq_lens: list[int],
         run_sweep("a100-80g", "llama-2-7b", batches, seq_lens, 32, "fp16")
 
 
-def test_unknown_gpu_and_missing_engine_are_errors(capsys: pytest.CaptureFixture[str]) -> None:
+def test_unknown_gpu_engine_and_bad_live_setups_are_errors(
+        capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match="unknown name; available names: a100-80g"):
         run_sweep("b200", "llama-2-7b", [4], [1024], 32, "fp16")
-    with pytest.raises(ValueError, match="engine 'vllm' needs the live-engine backend"):
+    with pytest.raises(ValueError, match="unknown engine 'tpu'; engines: sim, vllm"):
+        run_sweep("a100-80g", "llama-2-7b", [4], [1024], 32, "fp16", engine="tpu")
+    # checked before any live engine starts
+    live_error = ("'llama-2-7b' is neither" if importlib.util.find_spec("vllm")
+                  else "needs vLLM installed")
+    with pytest.raises(ValueError, match=live_error):
         run_sweep("a100-80g", "llama-2-7b", [4], [1024], 32, "fp16", engine="vllm")
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes applies to a live engine"):
+        run_sweep("a100-80g", "llama-2-7b", [4], [1024], kv_cache_memory_bytes=2**20)
     assert run(_parser().parse_args(["--gpu", "b200", "--quiet"])) == 2
-    assert run(_parser().parse_args(["--engine", "vllm", "--quiet"])) == 2
+    assert run(_parser().parse_args(["--engine", "vllm", "--gpu", "h100-80g", "--quiet"])) == 2
     err = capsys.readouterr().err
     assert "rlbatch sweep: error: gpu profile 'b200'" in err
-    assert "needs the live-engine backend" in err
+    assert "--gpu names a simulated GPU profile" in err
+
+
+def test_cli_defaults_follow_the_engine() -> None:
+    sim = spec_from_args(_parser().parse_args([]))
+    assert (sim.engine, sim.gpu, sim.model, sim.batches, sim.seq_lens) == (
+        "sim", "a100-80g", "llama-2-7b", (4, 8, 16, 32), (1024, 2048, 4096))
+    live = spec_from_args(_parser().parse_args(["--engine", "vllm", "--fp8",
+                                                "--kv-cache-mib", "8", "--block-size", "64"]))
+    assert (live.engine, live.model, live.batches, live.seq_lens, live.precision) == (
+        "vllm", "tiny", LIVE_DEFAULTS.batches, LIVE_DEFAULTS.seq_lens, "fp8")
+    assert (live.batches, live.seq_lens) == ((1, 4, 8, 16), (128, 256, 512))
+    assert (live.kv_cache_memory_bytes, live.block_size) == (8 * 2**20, 64)
+    ckpt = spec_from_args(_parser().parse_args(["--engine", "vllm", "--model", "/ckpt",
+                                                "--batch", "2", "--seq-len", "64"]))
+    assert (ckpt.model, ckpt.batches, ckpt.seq_lens) == ("/ckpt", (2,), (64,))
+
+
+def _live_plan(weights: int = 3 * 2**20, blocks: int = 64) -> MemoryPlan:
+    return MemoryPlan(gpu_memory_bytes=8 * GIB, gpu_memory_utilization=0.9,
+                      weights_bytes=weights, activation_reserve_bytes=0,
+                      kv_bytes_per_token=512, block_size=32, num_kv_blocks=blocks,
+                      source="process")
+
+
+@pytest.mark.parametrize("measured", [0, 2**20, 4 * 2**20, 700 * 2**20])
+def test_measured_breakdown_sums_to_the_total_and_is_never_negative(measured: int) -> None:
+    plan = _live_plan()
+    assert plan.live and plan.kv_pool_bytes == 64 * 32 * 512 == 2**20
+    m = measured_breakdown(plan, 0.25, measured).to_dict()
+    parts = [m[k] for k in MEMORY_PARTS]
+    assert min(parts) >= 0
+    assert sum(parts) == pytest.approx(m["total_gib"], rel=1e-12)
+    assert m["total_gib"] == pytest.approx(max(measured, 4 * 2**20) / GIB)
+    assert m["weights_gib"] == pytest.approx(3 / 1024)
+    assert m["kv_in_use_peak_gib"] == pytest.approx(0.25 / 1024)
+    assert m["kv_pool_gib"] == pytest.approx(1 / 1024)
+    assert m["gpu_memory_gib"] == pytest.approx(8.0)
+    with pytest.raises(ValueError, match="kv_usage_peak"):
+        measured_breakdown(plan, 1.5, measured)
 
 
 @pytest.mark.parametrize("value", ["", "4,-8", "4,x", "0"])
@@ -275,3 +337,25 @@ def test_logdir_writes_tensorboard_images_and_scalars(tmp_path: Path) -> None:
     assert "sweep/memory/a100-80g/llama-2-7b/fp16" in tags["images"]
     steps = [e.step for e in events.Scalars("sweep/output_tok_s/a100-80g/llama-2-7b/fp16/seq256")]
     assert steps == [2, 4]
+
+
+def test_repeats_report_the_run_with_the_median_throughput() -> None:
+    def run_of(tokens: int, makespan: float) -> ClosedLoopResult:
+        record = FinishedRequest(request_id=0, bucket=0, pool="fp16", arrival_s=0.0,
+                                 prompt_tokens=8, output_tokens=tokens, ttft_s=0.1, tpot_s=0.01,
+                                 e2e_s=makespan, finish_s=makespan, preemptions=0,
+                                 truncated=False)
+        return ClosedLoopResult(records=[record], makespan_s=makespan)
+
+    slow, mid, fast = run_of(100, 2.0), run_of(100, 1.0), run_of(300, 1.0)
+    assert median_run([fast, slow, mid]) is mid
+    assert median_run([slow]) is slow
+    # the simulator repeats exactly
+    once = run_sweep("a100-80g", "llama-2-7b", [4], [512], output_len=16, num_requests=8,
+                     check_guide=False)
+    thrice = run_sweep("a100-80g", "llama-2-7b", [4], [512], output_len=16, num_requests=8,
+                       check_guide=False, repeats=3)
+    assert thrice.to_dict()["repeats"] == 3
+    assert thrice.points[0].throughput_output_tok_s == once.points[0].throughput_output_tok_s
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        run_sweep("a100-80g", "llama-2-7b", [4], [512], repeats=0)

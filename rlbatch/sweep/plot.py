@@ -9,7 +9,8 @@ combined PNG and into TensorBoard one by one:
 * KV cache: peak KV usage vs batch, the guide's 80% breaker line, and red crosses where the
   engine preempted / ran out of KV blocks (in every panel);
 * memory: stacked bars per (batch, seq_len): weights, KV in use at peak, KV pool reserved
-  but free, activations/buffers; they sum to GPU memory x utilization.
+  but free, activations/buffers; they sum to GPU memory x utilization on the simulator, and
+  to the measured memory (NVML, or process RSS without a GPU) on a live engine.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 
+from rlbatch.sweep.memory import format_bytes, memory_unit
 from rlbatch.sweep.point import SweepPoint
 from rlbatch.sweep.sweep import SweepResult, precision_note
 
@@ -114,19 +116,30 @@ def _curve(ax: Axes, result: SweepResult, y_of: Callable[[SweepPoint], float | N
 
 
 def draw_throughput_latency(ax: Axes, result: SweepResult) -> None:
-    """Output tokens/s vs P99 latency of the SLA's metric, per sequence length.
+    """Output tokens/s vs P99 latency of the SLA's metric, per sequence length (in ms when
+    every point is below 100 ms, as on the tiny live model).
 
     :param ax: where to draw.
     :param result: the sweep.
     """
     sla = result.spec.sla
-    _curve(ax, result, lambda p: p.sla_latency_s(sla), 1.0)
-    ax.axhline(sla.p99_s, color="black", linestyle="--", linewidth=1)
-    _legend(ax, result, [Line2D([], [], color="black", linestyle="--",
-                                label=f"SLA {sla.p99_s:g} s")])
-    ax.set_ylabel(f"P99 {sla.metric.upper()} (s)")
+    latencies = [v for _, pts in _runnable_rows(result) for p in pts
+                 if (v := p.sla_latency_s(sla)) is not None]
+    ms = bool(latencies) and max(latencies) < 0.1
+    scale, unit = (1000.0, "ms") if ms else (1.0, "s")
+    _curve(ax, result, lambda p: p.sla_latency_s(sla), scale)
+    limit = scale * sla.p99_s
+    top = ax.get_ylim()[1]
+    if limit <= 3.0 * top:
+        ax.axhline(limit, color="black", linestyle="--", linewidth=1)
+        _legend(ax, result, [Line2D([], [], color="black", linestyle="--",
+                                    label=f"SLA {limit:g} {unit}")])
+        ax.set_ylim(top=max(top, 1.15 * limit))
+    else:
+        _legend(ax, result, [])
+        _note(ax, f"{sla.metric.upper()} SLA {sla.p99_s:g} s is far above every point")
+    ax.set_ylabel(f"P99 {sla.metric.upper()} ({unit})")
     ax.set_title(f"Throughput vs P99 {sla.metric.upper()} (labels: batch)", fontsize=10)
-    ax.set_ylim(top=max(ax.get_ylim()[1], 1.15 * sla.p99_s))
 
 
 def draw_tpot(ax: Axes, result: SweepResult) -> None:
@@ -183,8 +196,7 @@ def draw_kv_usage(ax: Axes, result: SweepResult) -> None:
     ax.set_ylim(0, 110)
     ax.set_xlabel("batch size (max running sequences)")
     ax.set_ylabel("KV cache peak usage (% of pool)")
-    pool = (f"pool {plan.kv_pool_tokens:,} tokens "
-            f"({plan.num_kv_blocks * plan.block_size * plan.kv_bytes_per_token / 2**30:.1f} GiB)")
+    pool = f"pool {plan.kv_pool_tokens:,} tokens ({format_bytes(plan.kv_pool_bytes)})"
     ax.set_title(f"KV cache peak usage; {pool}\n(fits N: sequences the pool holds at once)",
                  fontsize=10)
     _legend(ax, result, [Line2D([], [], color="#ff7f0e", linestyle="--",
@@ -199,8 +211,18 @@ def draw_memory(ax: Axes, result: SweepResult) -> None:
     :param result: the sweep.
     """
     plan = result.plan
-    budget = plan.budget_bytes / 2**30
-    gpu_total = plan.gpu_memory_bytes / 2**30
+    live = plan.live
+    totals = [p.memory["total_gib"] for p in result.points if p.memory is not None]
+    if live:
+        unit, size = memory_unit(max(totals, default=1.0) * 2**30)
+        scale = 2**30 / size
+        top = max(totals, default=1.0) * scale
+        ceiling = top * 1.12
+    else:
+        unit, scale = "GiB", 1.0
+        top = plan.budget_bytes / 2**30
+        gpu_total = plan.gpu_memory_bytes / 2**30
+        ceiling = gpu_total * 1.08
     batches = list(result.spec.batches)
     group = len(batches) + 1
     ticks: list[float] = []
@@ -212,39 +234,56 @@ def draw_memory(ax: Axes, result: SweepResult) -> None:
             labels.append(f"b{batch}")
             point = result.point(batch, seq_len)
             if point.memory is None:
-                ax.bar(x, budget, width=0.8, color="white", edgecolor="#999999", hatch="//")
-                ax.text(x, budget / 2, "not runnable", rotation=90, ha="center", va="center",
+                ax.bar(x, top, width=0.8, color="white", edgecolor="#999999", hatch="//")
+                ax.text(x, top / 2, "not runnable", rotation=90, ha="center", va="center",
                         fontsize=8, color="#555555")
                 continue
             bottom = 0.0
             for key, _, color, hatch in _MEMORY_PARTS:
-                height = point.memory[key]
+                height = scale * point.memory[key]
                 ax.bar(x, height, bottom=bottom, width=0.8, color=color, hatch=hatch,
                        edgecolor="white", linewidth=0.5)
                 bottom += height
-            kv_top = point.memory["weights_gib"] + point.memory["kv_in_use_peak_gib"]
-            inside = kv_top > budget - 0.06 * gpu_total  # no room above: write inside
-            ax.text(x, kv_top - 1.0 if inside else kv_top + 0.5,
-                    f"{point.memory['kv_in_use_peak_gib']:.1f}", ha="center",
-                    va="top" if inside else "bottom", fontsize=7,
-                    color="white" if inside else "#7a3b0c")
+            kv_in_use = scale * point.memory["kv_in_use_peak_gib"]
+            if live:
+                pool = scale * point.memory["kv_pool_gib"]
+                ax.text(x, bottom + 0.01 * ceiling, f"{bottom:.0f}\nKV {kv_in_use:.2g}/{pool:.3g}",
+                        ha="center", va="bottom", fontsize=7, color="#7a3b0c")
+            else:
+                kv_top = scale * point.memory["weights_gib"] + kv_in_use
+                inside = kv_top > top - 0.06 * gpu_total  # no room above: write inside
+                ax.text(x, kv_top - 1.0 if inside else kv_top + 0.5, f"{kv_in_use:.1f}",
+                        ha="center", va="top" if inside else "bottom", fontsize=7,
+                        color="white" if inside else "#7a3b0c")
             if point.overflowed:
-                ax.plot([x], [budget + 0.04 * gpu_total], marker="x", color=_OVERFLOW,
-                        markersize=10, markeredgewidth=2.5, linestyle="none")
+                ax.plot([x], [bottom + (0.08 if live else 0.04) * ceiling], marker="x",
+                        color=_OVERFLOW, markersize=10, markeredgewidth=2.5, linestyle="none")
         center = g * group + (len(batches) - 1) / 2
         ax.text(center, -0.13, f"seq_len {seq_len}", transform=ax.get_xaxis_transform(),
                 ha="center", va="top", fontsize=9, fontweight="bold")
-    ax.axhline(budget, color="black", linestyle="--", linewidth=1)
-    ax.axhline(gpu_total, color="black", linewidth=1)
-    ax.set_xticks(ticks, labels, fontsize=8)
-    ax.set_ylim(0, gpu_total * 1.08)
-    ax.set_ylabel("GPU memory (GiB)")
-    ax.set_title(f"Memory breakdown per (batch, seq_len); numbers: KV in use at peak (GiB); "
-                 f"budget = {gpu_total:.1f} GiB x {plan.gpu_memory_utilization:g} "
-                 f"= {budget:.1f} GiB", fontsize=10)
     handles: list[Any] = [Patch(facecolor=c, label=lbl) for _, lbl, c, _ in _MEMORY_PARTS]
-    handles += [Line2D([], [], color="black", linestyle="--", label="budget (GPU x util)"),
-                Line2D([], [], color="black", label="GPU memory"), _overflow_handle()]
+    if live and plan.source == "process":
+        handles[-1] = Patch(facecolor=_MEMORY_PARTS[-1][2],
+                            label="activations + buffers + Python/torch/vLLM runtime")
+    if live:
+        measured = ("process RSS (no GPU: the runtime is in activations + buffers)"
+                    if plan.source == "process" else "NVML used GPU memory")
+        ax.set_ylabel(f"memory ({unit})")
+        ax.set_title(f"Memory breakdown per (batch, seq_len), measured: total = {measured}; "
+                     f"weights {plan.weights_bytes / size:.2f} {unit}; numbers: total, KV in "
+                     f"use at peak / KV pool ({unit})", fontsize=10)
+        handles.append(_overflow_handle())
+    else:
+        ax.axhline(top, color="black", linestyle="--", linewidth=1)
+        ax.axhline(gpu_total, color="black", linewidth=1)
+        ax.set_ylabel("GPU memory (GiB)")
+        ax.set_title(f"Memory breakdown per (batch, seq_len); numbers: KV in use at peak "
+                     f"(GiB); budget = {gpu_total:.1f} GiB x {plan.gpu_memory_utilization:g} "
+                     f"= {top:.1f} GiB", fontsize=10)
+        handles += [Line2D([], [], color="black", linestyle="--", label="budget (GPU x util)"),
+                    Line2D([], [], color="black", label="GPU memory"), _overflow_handle()]
+    ax.set_xticks(ticks, labels, fontsize=8)
+    ax.set_ylim(0, ceiling)
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=7,
               fontsize=8, frameon=False)
 
@@ -259,10 +298,12 @@ PANELS: dict[str, Callable[[Axes, SweepResult], None]] = {
 
 def title(result: SweepResult) -> str:
     """The figure title: GPU, model, precision, engine, workload."""
-    text = (f"{result.model} on {result.gpu} — "
-            f"{precision_note(result.precision, result.gpu_fp8)} — engine {result.spec.engine}"
+    precision = result.precision_text or precision_note(result.precision, result.gpu_fp8)
+    text = (f"{result.model} on {result.gpu} — {precision} — engine {result.engine_label}"
             f"\nclosed loop, prompt = seq_len, output {result.spec.output_len} tokens; SLA "
             f"{result.spec.sla.describe()}, no preemption")
+    if result.live:
+        text += "; wall-clock times on a live engine"
     note = _not_runnable_note(result)
     return f"{text}\n{note}" if note else text
 

