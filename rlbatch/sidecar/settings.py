@@ -1,0 +1,191 @@
+"""Typed, validated settings of the admission-control sidecar.
+
+Everything the sidecar needs to know is here, validated when the object is built (bad values
+raise ``ValueError`` naming them), so a misconfigured sidecar refuses to start instead of
+failing on its first request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlsplit
+
+from rlbatch.buckets import Buckets
+from rlbatch.control import SLA
+
+POOL_ORDER: tuple[str, ...] = ("fp16", "fp8")
+"""Known pools in their canonical order (the order a policy artifact lists them in)."""
+
+OverLength = Literal["truncate", "reject"]
+TOKENIZER_MODES: tuple[str, ...] = ("auto", "upstream", "approx")
+
+
+@dataclass(frozen=True)
+class UpstreamSpec:
+    """One vLLM OpenAI server behind the sidecar.
+
+    :param pool: the pool its precision puts it in (``fp16`` or ``fp8``).
+    :param url: base URL, e.g. ``http://127.0.0.1:8000`` (no path).
+    """
+
+    pool: str
+    url: str
+
+    def __post_init__(self) -> None:
+        if self.pool not in POOL_ORDER:
+            raise ValueError(f"upstream pool must be one of {POOL_ORDER}, got {self.pool!r} "
+                             f"(for {self.url})")
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in (
+                "", "/") or parts.query or parts.fragment:
+            raise ValueError(f"upstream URL must look like http://HOST:PORT (no path), got "
+                             f"{self.url!r}")
+        object.__setattr__(self, "url", self.url.rstrip("/"))
+
+    @classmethod
+    def parse(cls, text: str) -> UpstreamSpec:
+        """Parse ``POOL=URL`` (the ``--upstream`` syntax), e.g. ``fp16=http://127.0.0.1:8000``.
+
+        :param text: the option value.
+        """
+        pool, sep, url = text.partition("=")
+        if not sep or not pool.strip() or not url.strip():
+            raise ValueError(f"--upstream takes POOL=URL, e.g. fp16=http://127.0.0.1:8000; got "
+                             f"{text!r}")
+        return cls(pool.strip(), url.strip())
+
+
+@dataclass(frozen=True)
+class SidecarSettings:
+    """How the sidecar listens, admits, forwards and controls.
+
+    :param upstreams: the vLLM servers, one or more per pool.
+    :param host: address to bind (loopback unless told otherwise).
+    :param port: port to bind.
+    :param buckets: prompt-length buckets (must match a policy artifact's).
+    :param tick_s: control interval: scrape, decide, apply.
+    :param window_s: sliding window of the latency percentiles the controller sees.
+    :param sla: the SLA in force (goodput, guard P99 rule).
+    :param max_queue_len: per-bucket admission queue bound; a request arriving at a full queue
+        is answered 429 with ``Retry-After``.
+    :param queue_timeout_s: longest a request may wait in its admission queue before it is
+        answered 429.
+    :param retry_after_s: the ``Retry-After`` value of a 429 (seconds).
+    :param tokenizer: how prompt length is counted: ``auto`` (a local tokenizer when the
+        upstream's model folder is readable here, else ``upstream``), ``upstream`` (the
+        upstream's ``/tokenize``), ``approx`` (UTF-8 bytes / ``approx_bytes_per_token``), or a
+        path to a ``tokenizer.json`` / model folder.
+    :param approx_bytes_per_token: divisor of the ``approx`` counter.
+    :param tokenizer_thread_chars: prompts longer than this are tokenised in a worker thread
+        so the event loop is never blocked for long.
+    :param max_seq_len: longest prompt + output admitted; ``None`` = the upstreams'
+        ``max_model_len`` (or the controller guard's ``max_seq_len`` when it sets one).
+    :param over_length: ``truncate`` (keep the prompt's last tokens, vLLM
+        ``truncate_prompt_tokens``) or ``reject`` (400); ``None`` = the controller guard's
+        choice (``GuardConfig.over_length``).
+    :param shadow: decide and log every tick but never act: no caps, every request to
+        ``shadow_pool``.
+    :param shadow_pool: pool every request goes to in shadow mode (default: the first pool).
+    :param logdir: TensorBoard log directory for the decisions (``None``: none written).
+    :param cold_start: the upstreams have just started: the guard's warm-up ramp applies.
+    :param max_num_seqs: the upstreams' ``--max-num-seqs`` (vLLM does not export it).
+    :param max_num_batched_tokens: the upstreams' ``--max-num-batched-tokens``.
+    :param gpu: GPU profile name reported to the controller (information only).
+    :param model: model profile name reported to the controller (information only).
+    :param scrape_timeout_s: time limit of one ``/metrics`` scrape.
+    :param connect_timeout_s: time limit to connect to an upstream.
+    :param request_timeout_s: time limit of one upstream request (``None``: none).
+    :param max_body_bytes: largest request body accepted.
+    :param admin_token: bearer token for ``/admin/*``; without one the admin endpoints answer
+        only when the sidecar binds a loopback address.
+    :param gpu_telemetry: read GPU memory with NVML when the sidecar sees the GPU.
+    """
+
+    upstreams: tuple[UpstreamSpec, ...]
+    host: str = "127.0.0.1"
+    port: int = 8080
+    buckets: Buckets = field(default_factory=Buckets)
+    tick_s: float = 1.0
+    window_s: float = 30.0
+    sla: SLA = field(default_factory=SLA)
+    max_queue_len: int = 256
+    queue_timeout_s: float = 300.0
+    retry_after_s: int = 1
+    tokenizer: str = "auto"
+    approx_bytes_per_token: float = 4.0
+    tokenizer_thread_chars: int = 2048
+    max_seq_len: int | None = None
+    over_length: OverLength | None = None
+    shadow: bool = False
+    shadow_pool: str | None = None
+    logdir: Path | None = None
+    cold_start: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    gpu: str = "unknown"
+    model: str = "unknown"
+    scrape_timeout_s: float = 2.0
+    connect_timeout_s: float = 5.0
+    request_timeout_s: float | None = None
+    max_body_bytes: int = 16 * 2**20
+    admin_token: str | None = None
+    gpu_telemetry: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.upstreams:
+            raise ValueError("at least one --upstream POOL=URL is required")
+        urls = [u.url for u in self.upstreams]
+        dupes = sorted({u for u in urls if urls.count(u) > 1})
+        if dupes:
+            raise ValueError(f"upstream URLs must be distinct, repeated: {dupes}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if not self.host:
+            raise ValueError("host must not be empty")
+        for name in ("tick_s", "window_s", "queue_timeout_s", "approx_bytes_per_token",
+                     "scrape_timeout_s", "connect_timeout_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0 or None, got "
+                             f"{self.request_timeout_s}")
+        for name in ("max_queue_len", "max_num_seqs", "max_num_batched_tokens",
+                     "tokenizer_thread_chars", "max_body_bytes"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be >= 2 or None, got {self.max_seq_len}")
+        if self.over_length not in (None, "truncate", "reject"):
+            raise ValueError(f"over_length must be 'truncate' or 'reject', got "
+                             f"{self.over_length!r}")
+        if self.tokenizer not in TOKENIZER_MODES and not Path(self.tokenizer).exists():
+            raise ValueError(f"tokenizer must be one of {TOKENIZER_MODES} or an existing "
+                             f"tokenizer.json / model folder, got {self.tokenizer!r}")
+        if self.shadow_pool is not None and self.shadow_pool not in self.pools:
+            raise ValueError(f"shadow_pool {self.shadow_pool!r} is not among the upstream pools "
+                             f"{list(self.pools)}")
+
+    @property
+    def pools(self) -> tuple[str, ...]:
+        """Pools present, in canonical order (``fp16`` before ``fp8``)."""
+        present = {u.pool for u in self.upstreams}
+        return tuple(p for p in POOL_ORDER if p in present)
+
+    @property
+    def pool_sizes(self) -> dict[str, int]:
+        """Upstreams per pool, in canonical pool order."""
+        return {p: sum(1 for u in self.upstreams if u.pool == p) for p in self.pools}
+
+    @property
+    def effective_shadow_pool(self) -> str:
+        return self.shadow_pool or self.pools[0]
+
+    @property
+    def binds_loopback(self) -> bool:
+        return self.host in ("127.0.0.1", "::1", "localhost")

@@ -1,0 +1,182 @@
+"""Prompt length: how many tokens a request's prompt has, to pick its bucket.
+
+Three counters, chosen with ``--tokenizer`` (their cost is measured by
+``benchmarks/bench_sidecar.py`` and exported as ``rlbatch:tokenize_seconds``):
+
+* ``local``: the model's own ``tokenizer.json`` loaded with ``tokenizers`` in the sidecar
+  (exact for completions; chat counts the messages' text plus a small per-message overhead
+  instead of rendering the chat template). Long prompts are encoded in a worker thread
+  (``tokenizers`` releases the GIL) so the event loop is never blocked for milliseconds.
+* ``upstream``: the upstream's ``/tokenize`` (exact, chat template included; one extra
+  round trip per request).
+* ``approx``: UTF-8 bytes / ``bytes_per_token`` (free, rough).
+
+Token-id prompts (``prompt: [ids]``) are never tokenised: their length is known.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+_LOG = logging.getLogger(__name__)
+
+CHAT_MESSAGE_OVERHEAD = 4
+"""Tokens a chat template typically adds per message (role markers, separators)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """The prompt of one request, as the counters need it.
+
+    :param text: the completion prompt (``""`` for chat or token ids).
+    :param token_ids: length of a token-id prompt (``None`` otherwise).
+    :param messages: chat messages' text parts, one string per message (``None`` for
+        completions).
+    :param raw_messages: the chat messages as sent (for the upstream's ``/tokenize``).
+    :param model: the request's ``model`` field.
+    """
+
+    text: str = ""
+    token_ids: int | None = None
+    messages: tuple[str, ...] | None = None
+    raw_messages: list[Any] | None = None
+    model: str | None = None
+
+    @property
+    def size_chars(self) -> int:
+        if self.messages is not None:
+            return sum(len(m) for m in self.messages)
+        return len(self.text)
+
+
+class PromptCounter(Protocol):
+    """Counts prompt tokens."""
+
+    name: str
+
+    async def count(self, prompt: Prompt) -> int:
+        """Tokens in ``prompt`` (>= 1)."""
+        ...
+
+
+class ApproxCounter:
+    """UTF-8 bytes / ``bytes_per_token``.
+
+    :param bytes_per_token: divisor (about 4 for English text and Llama-style BPE).
+    """
+
+    name = "approx"
+
+    def __init__(self, bytes_per_token: float = 4.0) -> None:
+        if not bytes_per_token > 0:
+            raise ValueError(f"bytes_per_token must be > 0, got {bytes_per_token}")
+        self.bytes_per_token = bytes_per_token
+
+    def count_now(self, prompt: Prompt) -> int:
+        if prompt.token_ids is not None:
+            return max(1, prompt.token_ids)
+        if prompt.messages is not None:
+            return max(1, sum(math.ceil(len(m.encode()) / self.bytes_per_token)
+                              + CHAT_MESSAGE_OVERHEAD for m in prompt.messages))
+        return max(1, math.ceil(len(prompt.text.encode()) / self.bytes_per_token))
+
+    async def count(self, prompt: Prompt) -> int:
+        return self.count_now(prompt)
+
+
+class LocalCounter:
+    """The model's tokenizer, run in the sidecar.
+
+    :param tokenizer: a ``tokenizers.Tokenizer``.
+    :param thread_chars: prompts longer than this are encoded in a worker thread.
+    """
+
+    name = "local"
+
+    def __init__(self, tokenizer: Any, thread_chars: int = 2048) -> None:
+        self._tok = tokenizer
+        self.thread_chars = thread_chars
+
+    @classmethod
+    def load(cls, path: Path, thread_chars: int = 2048) -> LocalCounter:
+        """Load ``tokenizer.json`` (a file, or a model folder holding one). Does file I/O.
+
+        :param path: the file or folder.
+        :param thread_chars: see the class.
+        :raises ValueError: no tokenizer there, or ``tokenizers`` is not installed.
+        """
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            raise ValueError(f"no tokenizer.json at {path}")
+        try:
+            import tokenizers
+        except ImportError:  # pragma: no cover - tokenizers comes with vllm / transformers
+            raise ValueError("the local tokenizer needs the 'tokenizers' package; install it "
+                             "or use --tokenizer upstream|approx") from None
+        return cls(tokenizers.Tokenizer.from_file(str(file)), thread_chars)
+
+    def count_now(self, prompt: Prompt) -> int:
+        if prompt.token_ids is not None:
+            return max(1, prompt.token_ids)
+        if prompt.messages is not None:
+            encoded = self._tok.encode_batch(list(prompt.messages), add_special_tokens=False)
+            return max(1, sum(len(e.ids) + CHAT_MESSAGE_OVERHEAD for e in encoded) + 1)
+        return max(1, len(self._tok.encode(prompt.text, add_special_tokens=True).ids))
+
+    async def count(self, prompt: Prompt) -> int:
+        if prompt.token_ids is None and prompt.size_chars > self.thread_chars:
+            return await asyncio.to_thread(self.count_now, prompt)
+        return self.count_now(prompt)
+
+
+PostJson = Callable[[str, bytes], Awaitable[tuple[int, bytes]]]
+"""``(path, body) -> (status, body)``: a POST to some reachable upstream."""
+
+
+class UpstreamCounter:
+    """The upstream's ``/tokenize`` (vLLM applies the chat template for messages). When the
+    call fails the count falls back to :class:`ApproxCounter`, logged once per failure run.
+
+    :param post: sends a POST to a reachable upstream.
+    :param fallback: the counter used when the upstream cannot answer.
+    """
+
+    name = "upstream"
+
+    def __init__(self, post: PostJson, fallback: ApproxCounter) -> None:
+        self._post = post
+        self._fallback = fallback
+        self._failing = False
+        self.failures = 0
+
+    async def count(self, prompt: Prompt) -> int:
+        if prompt.token_ids is not None:
+            return max(1, prompt.token_ids)
+        body: dict[str, Any] = {}
+        if prompt.model is not None:
+            body["model"] = prompt.model
+        if prompt.raw_messages is not None:
+            body["messages"] = prompt.raw_messages
+        else:
+            body["prompt"] = prompt.text
+        try:
+            status, data = await self._post("/tokenize", json.dumps(body).encode())
+            if status != 200:
+                raise ValueError(f"/tokenize answered {status}: {data[:200]!r}")
+            count = int(json.loads(data)["count"])
+        except Exception as exc:  # any failure: the approximate count still buckets it
+            self.failures += 1
+            if not self._failing:
+                _LOG.warning("upstream /tokenize failed (%s); counting prompt tokens "
+                             "approximately until it answers again", exc)
+            self._failing = True
+            return self._fallback.count_now(prompt)
+        self._failing = False
+        return max(1, count)

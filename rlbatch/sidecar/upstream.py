@@ -1,0 +1,273 @@
+"""One vLLM server behind the sidecar, as admission sees it: the Engine protocol over HTTP.
+
+:class:`rlbatch.admission.Admission` (the same per-bucket queues, caps, routing and KV budget
+the simulator uses) hands requests to engines with ``add_request``; here that hands the
+request's :class:`Ticket` its upstream and wakes the handler waiting on it. The upstream
+keeps the bookkeeping vLLM does not export per bucket (requests inside it per bucket, the KV
+they committed), and builds one :class:`~rlbatch.engine.stats.EngineStats` per control tick
+from that bookkeeping and the server's ``/metrics``.
+
+vLLM cannot change ``max_num_seqs`` on a running server, so an engine-wide cap (``static:N``)
+is applied here: requests admitted beyond it wait in this upstream's own FIFO, as they would
+wait inside a vLLM engine with ``--max-num-seqs N``, and count as the engine's ``waiting``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rlbatch.engine.stats import EngineStats, FinishedRequest
+from rlbatch.request import Request
+from rlbatch.sidecar.settings import UpstreamSpec
+from rlbatch.sidecar.vllm_metrics import VllmMetrics, counter_delta
+
+QUEUED, WAITING, RUNNING, DONE = 0, 1, 2, 3
+"""Ticket states: in an admission queue, in an upstream's own FIFO, forwarded, gone."""
+
+UNHEALTHY_LOAD = 1 << 30
+"""Load an unreachable upstream reports to least-loaded routing, so it is never chosen while a
+reachable replica of its pool exists."""
+
+
+@dataclass(eq=False, slots=True)
+class Ticket:
+    """One client request on its way through admission.
+
+    :param request: the request as admission sees it (sidecar clock, prompt tokens, max
+        output tokens).
+    :param bucket: its prompt-length bucket.
+    :param future: resolved when an upstream takes it.
+    :param state: ``QUEUED`` / ``WAITING`` / ``RUNNING`` / ``DONE``.
+    :param upstream: the upstream holding it (``None`` while queued).
+    :param prompt_tokens: prompt tokens served (after truncation).
+    :param truncated: admission truncated the prompt.
+    :param tried: engine ids that failed this request (not retried there).
+    """
+
+    request: Request
+    bucket: int
+    future: asyncio.Future[None]
+    state: int = QUEUED
+    upstream: HttpUpstream | None = None
+    prompt_tokens: int = 0
+    truncated: bool = False
+    tried: set[int] = field(default_factory=set)
+
+
+class HttpUpstream:
+    """A vLLM OpenAI server: bookkeeping, health, metrics, the Engine protocol.
+
+    :param engine_id: index in the deployment.
+    :param spec: pool and URL.
+    :param num_buckets: prompt-length buckets.
+    :param tickets: the sidecar's live tickets by request id (``add_request`` looks them up).
+    :param clock: the sidecar clock (seconds since start).
+    :param configured_max_num_seqs: the server's ``--max-num-seqs``.
+    """
+
+    def __init__(self, engine_id: int, spec: UpstreamSpec, num_buckets: int,
+                 tickets: dict[int, Ticket], clock: Callable[[], float],
+                 configured_max_num_seqs: int) -> None:
+        self.engine_id = engine_id
+        self.pool = spec.pool
+        self.url = spec.url
+        self.name = f"{spec.pool}#{engine_id}"
+        self._tickets = tickets
+        self._clock = clock
+        self._configured = configured_max_num_seqs
+        self._limit: int | None = None
+        self.unfinished = [0] * num_buckets
+        self.running = [0] * num_buckets
+        self._total = 0
+        self._running_total = 0
+        self._committed = 0
+        self._waiting: deque[Ticket] = deque()
+        self.finished: list[FinishedRequest] = []
+        self.healthy = False
+        self.down_reason = "not contacted yet"
+        self.metrics: VllmMetrics | None = None
+        self._at_snapshot: VllmMetrics | None = None
+        self._snapshot_s = 0.0
+        self.itl_mean_s = math.nan
+        self.max_model_len: int | None = None
+        self.served_model: str | None = None
+        self.model_root: str | None = None
+
+    # ------------------------------------------------------------ Engine protocol
+    @property
+    def now_s(self) -> float:
+        return self._clock()
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self._configured if self._limit is None else min(self._limit, self._configured)
+
+    def set_max_num_seqs(self, value: int) -> None:
+        """Engine-wide cap (``static:N``): applied by this upstream's own FIFO.
+
+        :param value: the cap (>= 1).
+        """
+        if value < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {value}")
+        self._limit = value
+        self._start_waiting()
+
+    def clear_max_num_seqs(self) -> None:
+        """Back to the server's configured ``--max-num-seqs``."""
+        self._limit = None
+        self._start_waiting()
+
+    def num_unfinished(self, bucket: int) -> int:
+        return self.unfinished[bucket]
+
+    def num_unfinished_total(self) -> int:
+        return self._total + (0 if self.healthy else UNHEALTHY_LOAD)
+
+    def committed_tokens(self) -> int:
+        return self._committed
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        capacity = self.metrics.kv_capacity_tokens if self.metrics is not None else None
+        # Unknown capacity must not make the KV budget serialise admission.
+        return capacity if capacity else UNHEALTHY_LOAD * 1024
+
+    def add_request(self, request: Request, bucket: int, prompt_tokens: int,
+                    truncated: bool) -> None:
+        ticket = self._tickets[request.request_id]
+        ticket.upstream = self
+        ticket.prompt_tokens = prompt_tokens
+        ticket.truncated = truncated
+        self.unfinished[bucket] += 1
+        self._total += 1
+        self._committed += prompt_tokens + request.max_output_tokens
+        if self._running_total < self.max_num_seqs and not self._waiting:
+            self._run(ticket)
+        else:
+            ticket.state = WAITING
+            self._waiting.append(ticket)
+
+    def is_idle(self) -> bool:
+        return self._total == 0
+
+    def advance_idle(self, to_s: float) -> None:
+        """Nothing to do: the server runs on its own."""
+
+    def step(self, bound_s: float) -> None:
+        """Nothing to do: the server runs on its own."""
+
+    def snapshot(self) -> EngineStats:
+        """This tick's stats: bookkeeping plus the latest scrape (counter deltas since the
+        previous snapshot)."""
+        return self.snapshot_with_memory(0, 0)
+
+    # ------------------------------------------------------------ sidecar side
+    def snapshot_with_memory(self, gpu_used_bytes: int, gpu_total_bytes: int) -> EngineStats:
+        """:meth:`snapshot` with a GPU memory reading.
+
+        :param gpu_used_bytes: memory in use on the upstream's GPU (0 = unknown).
+        :param gpu_total_bytes: the GPU's memory (0 = unknown).
+        """
+        now = self._clock()
+        m = self.metrics
+        before = self._at_snapshot
+        if m is not None:
+            prefill = counter_delta(m.prompt_tokens_total,
+                                    before.prompt_tokens_total if before else None)
+            decode = counter_delta(m.generation_tokens_total,
+                                   before.generation_tokens_total if before else None)
+            preempted = counter_delta(m.preemptions_total,
+                                      before.preemptions_total if before else None)
+            iterations = counter_delta(m.iterations_total,
+                                       before.iterations_total if before else None)
+            itl_n = counter_delta(m.itl_count, before.itl_count if before else None)
+            itl_s = counter_delta(m.itl_sum_s, before.itl_sum_s if before else None)
+            if itl_n > 0:
+                self.itl_mean_s = itl_s / itl_n
+            kv = m.kv_cache_usage
+            capacity = m.kv_capacity_tokens or 0
+            blocks = m.num_gpu_blocks or 0
+        else:
+            prefill = decode = preempted = iterations = 0.0
+            kv = math.nan
+            capacity = blocks = 0
+        self._at_snapshot = m
+        finished = tuple(self.finished)
+        self.finished.clear()
+        waiting = tuple(u - r for u, r in zip(self.unfinished, self.running, strict=True))
+        stats = EngineStats(
+            engine_id=self.engine_id, pool=self.pool, start_s=self._snapshot_s, time_s=now,
+            running=tuple(self.running), waiting=waiting, kv_cache_usage=kv,
+            kv_cache_usage_peak=kv, committed_tokens=self._committed,
+            kv_capacity_tokens=capacity, num_kv_blocks=blocks,
+            gpu_memory_used_bytes=gpu_used_bytes, gpu_memory_total_bytes=gpu_total_bytes,
+            iterations=int(iterations), busy_s=0.0, prefill_tokens=int(prefill),
+            decode_tokens=int(decode), preemptions=int(preempted), recomputed_tokens=0,
+            kv_overflows=int(preempted), max_num_seqs=self.max_num_seqs, finished=finished)
+        self._snapshot_s = now
+        return stats
+
+    @property
+    def running_total(self) -> int:
+        return self._running_total
+
+    @property
+    def waiting_total(self) -> int:
+        return len(self._waiting)
+
+    def observe(self, metrics: VllmMetrics) -> None:
+        """A scrape succeeded: keep its readings; the server is reachable.
+
+        :param metrics: the parsed page.
+        """
+        self.metrics = metrics
+        self.healthy = True
+        self.down_reason = ""
+
+    def mark_down(self, reason: str) -> None:
+        """The server could not be reached (connect error, scrape failure).
+
+        :param reason: why, for logs and ``/ready``.
+        """
+        self.healthy = False
+        self.down_reason = reason
+
+    def release(self, ticket: Ticket, record: FinishedRequest | None = None) -> None:
+        """A request leaves this upstream (finished, failed or cancelled); a waiting one
+        takes its place.
+
+        :param ticket: the request.
+        :param record: its timings when it finished (kept for the tick's stats).
+        """
+        b = ticket.bucket
+        if ticket.state == RUNNING:
+            self.running[b] -= 1
+            self._running_total -= 1
+        elif ticket.state == WAITING:
+            self._waiting.remove(ticket)
+        else:
+            raise AssertionError(f"release of a ticket in state {ticket.state}")
+        self.unfinished[b] -= 1
+        self._total -= 1
+        self._committed -= ticket.prompt_tokens + ticket.request.max_output_tokens
+        ticket.state = DONE
+        ticket.upstream = None
+        if record is not None:
+            self.finished.append(record)
+        self._start_waiting()
+
+    def _run(self, ticket: Ticket) -> None:
+        ticket.state = RUNNING
+        self.running[ticket.bucket] += 1
+        self._running_total += 1
+        if not ticket.future.done():
+            ticket.future.set_result(None)
+
+    def _start_waiting(self) -> None:
+        limit = self.max_num_seqs
+        while self._waiting and self._running_total < limit:
+            self._run(self._waiting.popleft())

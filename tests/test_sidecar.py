@@ -1,0 +1,428 @@
+"""Sidecar units and fault handling (no vLLM needed; a few seconds in all).
+
+Where a fault must be injected that a real vLLM server cannot produce on demand (a 500
+answer, a dropped connection, a broken ``/metrics``, a response that never comes) the
+upstream is :class:`~rlbatch.sidecar.testing.FaultInjectionUpstream`; request validation
+needs no upstream at all. Everything else runs against a real vLLM server in
+``tests/test_sidecar_live.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import pytest
+
+from policies.artifact import ArtifactError, save_artifact
+from policies.ppo import PpoController, ppo_factory
+from rlbatch.action_codec import ActionCodec
+from rlbatch.buckets import Buckets
+from rlbatch.control import ControlAction, make_controller
+from rlbatch.guard import DEFAULT_LADDER
+from rlbatch.observation import observation_size
+from rlbatch.sidecar import SIDECAR, Sidecar, SidecarSettings, UpstreamSpec, create_app, serve
+from rlbatch.sidecar.app import _take_usage
+from rlbatch.sidecar.cli import add_arguments, controller_spec, settings_from_args
+from rlbatch.sidecar.openai import BadRequest, completion_tokens, parse_request
+from rlbatch.sidecar.testing import FaultInjectionUpstream, Faults
+from rlbatch.sidecar.tokens import ApproxCounter, Prompt
+from rlbatch.sidecar.vllm_metrics import (
+    MetricsParseError,
+    counter_delta,
+    parse_vllm_metrics,
+)
+from rlbatch.sidecar.vllm_server import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+EDGES = (128, 256, 512)
+BUCKETS = Buckets(EDGES)
+
+
+# --------------------------------------------------------------------------- helpers
+def fixed_policy(path: Path, caps: Sequence[int], pools: Sequence[str],
+                 pool_names: Sequence[str] = ("fp16", "fp8"),
+                 edges: Sequence[int] = EDGES) -> Path:
+    """A valid PPO artifact whose deterministic action is always ``caps`` / ``pools``
+    (zero weights, one-hot head bias): a policy with a known answer."""
+    n = len(edges) + 1
+    ladder = list(DEFAULT_LADDER)
+    nvec = ActionCodec(ladder, list(pool_names), n).nvec
+    obs = observation_size(n)
+    width = 8
+    bias = np.zeros(sum(nvec), dtype=np.float32)
+    offset = 0
+    for b in range(n):
+        bias[offset + ladder.index(caps[b])] = 10.0
+        offset += len(ladder)
+        bias[offset + list(pool_names).index(pools[b])] = 10.0
+        offset += len(pool_names)
+    hidden = [(np.zeros((width, obs), np.float32), np.zeros(width, np.float32))]
+    head = (np.zeros((sum(nvec), width), np.float32), bias)
+    meta = {"nvec": nvec, "obs_size": obs, "ladder": ladder, "pools": list(pool_names),
+            "bucket_edges": list(edges), "activation": "tanh"}
+    save_artifact(path, hidden, head, meta)
+    return path
+
+
+def make_settings(*upstreams: tuple[str, str], **changes: object) -> SidecarSettings:
+    base: dict[str, object] = dict(
+        upstreams=tuple(UpstreamSpec(p, u) for p, u in upstreams), port=free_port(),
+        buckets=BUCKETS, tick_s=0.2, cold_start=False, gpu_telemetry=False,
+        tokenizer="approx", scrape_timeout_s=1.0, connect_timeout_s=1.0)
+    base.update(changes)
+    return SidecarSettings(**base)  # type: ignore[arg-type]
+
+
+@contextlib.asynccontextmanager
+async def running_sidecar(settings: SidecarSettings, controller_name: str = "static:4", *,
+                          ready: bool = True) -> AsyncIterator[tuple[str, Sidecar]]:
+    """The sidecar in this event loop; yields its URL and state."""
+    app = create_app(settings, make_controller(controller_name),
+                     controller_factory=make_controller)
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(app, settings, stop=stop))
+    url = f"http://{settings.host}:{settings.port}"
+    sidecar = app[SIDECAR]
+    try:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(200):
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with s.get(url + "/health") as r:
+                        if r.status == 200 and (not ready or sidecar.ready):
+                            break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("sidecar did not come up")
+        yield url, sidecar
+    finally:
+        stop.set()
+        await task
+
+
+@contextlib.asynccontextmanager
+async def fakes(*faults: Faults) -> AsyncIterator[list[FaultInjectionUpstream]]:
+    ups = [FaultInjectionUpstream(faults=f) for f in faults]
+    for u in ups:
+        await u.start()
+    try:
+        yield ups
+    finally:
+        for u in ups:
+            await u.stop()
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: object | bytes,
+               path: str = "/v1/completions") -> tuple[int, bytes, dict[str, str]]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with session.post(url + path, data=data,
+                            headers={"Content-Type": "application/json"}) as r:
+        return r.status, await r.read(), dict(r.headers)
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+def sample(sidecar: Sidecar, name: str, **labels: str) -> float:
+    value = sidecar.metrics.registry.get_sample_value(name, labels)
+    assert value is not None, f"no sample {name}{labels}"
+    return value
+
+
+# --------------------------------------------------------------------------- units
+def test_settings_validation() -> None:
+    up = (UpstreamSpec("fp16", "http://127.0.0.1:1"),)
+    assert SidecarSettings(upstreams=up).host == "127.0.0.1"  # loopback unless told
+    with pytest.raises(ValueError, match="at least one"):
+        SidecarSettings(upstreams=())
+    with pytest.raises(ValueError, match="pool must be one of"):
+        UpstreamSpec.parse("bf16=http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="POOL=URL"):
+        UpstreamSpec.parse("http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="no path"):
+        UpstreamSpec.parse("fp16=http://127.0.0.1:1/v1")
+    with pytest.raises(ValueError, match="distinct"):
+        SidecarSettings(upstreams=up * 2)
+    with pytest.raises(ValueError, match="tick_s"):
+        SidecarSettings(upstreams=up, tick_s=0)
+    with pytest.raises(ValueError, match="max_queue_len"):
+        SidecarSettings(upstreams=up, max_queue_len=0)
+    with pytest.raises(ValueError, match="tokenizer"):
+        SidecarSettings(upstreams=up, tokenizer="/no/such/tokenizer.json")
+    with pytest.raises(ValueError, match="shadow_pool"):
+        SidecarSettings(upstreams=up, shadow_pool="fp8")
+    two = SidecarSettings(upstreams=(UpstreamSpec("fp8", "http://127.0.0.1:2"), *up))
+    assert two.pools == ("fp16", "fp8")  # canonical order, whatever the command line order
+
+
+def test_cli_builds_settings() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--upstream", "fp16=http://127.0.0.1:8000", "--upstream",
+                              "fp8=http://127.0.0.1:8001", "--policy", "p", "--shadow",
+                              "--bucket-edges", "128,256", "--max-queue-len", "8"])
+    s = settings_from_args(args)
+    assert s.pools == ("fp16", "fp8") and s.shadow and s.max_queue_len == 8
+    assert s.buckets.edges == (128, 256) and s.host == "127.0.0.1"
+    assert controller_spec(args) == "ppo:p"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--upstream", "fp16=http://x:1", "--policy", "p", "--controller",
+                           "static:4"])
+
+
+METRICS_PAGE = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny"} 3.0
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 1.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="tiny",reason="capacity"} 7.0
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25
+# TYPE vllm:num_preemptions counter
+vllm:num_preemptions_total{engine="0",model_name="tiny"} 2.0
+vllm:num_preemptions_created{engine="0",model_name="tiny"} 1.79e+09
+vllm:prompt_tokens_total{engine="0",model_name="tiny"} 700.0
+vllm:generation_tokens_total{engine="0",model_name="tiny"} 1100.0
+vllm:iteration_tokens_total_bucket{engine="0",le="1.0",model_name="tiny"} 5.0
+vllm:iteration_tokens_total_count{engine="0",model_name="tiny"} 90.0
+vllm:inter_token_latency_seconds_sum{engine="0",model_name="tiny"} 2.0
+vllm:inter_token_latency_seconds_count{engine="0",model_name="tiny"} 1000.0
+vllm:cache_config_info{block_size="32",cache_dtype="fp8",engine="0",num_gpu_blocks="2048"} 1.0
+python_gc_objects_collected_total{generation="0"} 1.0
+"""
+
+
+def test_parse_vllm_metrics() -> None:
+    m = parse_vllm_metrics(METRICS_PAGE)
+    assert (m.running, m.waiting, m.kv_cache_usage) == (3.0, 1.0, 0.25)
+    assert (m.preemptions_total, m.prompt_tokens_total, m.generation_tokens_total) == (
+        2.0, 700.0, 1100.0)
+    assert m.iterations_total == 90.0 and m.itl_count == 1000.0
+    assert m.kv_capacity_tokens == 2048 * 32
+    with pytest.raises(MetricsParseError, match="num_requests_running"):
+        parse_vllm_metrics("python_gc_objects_collected_total 1.0\n")
+    assert counter_delta(10.0, 4.0) == 6.0
+    assert counter_delta(3.0, 40.0) == 3.0  # the server restarted
+    assert counter_delta(3.0, None) == 0.0
+
+
+def test_parse_request_and_usage() -> None:
+    p = parse_request(b'{"prompt": "a b", "max_tokens": 5, "stream": true}', "completions")
+    assert p.prompt.text == "a b" and p.max_tokens == 5 and p.stream and not p.wants_usage
+    forwarded = json.loads(p.forward_body(None))
+    assert forwarded["stream_options"] == {"include_usage": True}
+    assert json.loads(p.forward_body(7))["truncate_prompt_tokens"] == 7
+    plain = parse_request(b'{"prompt": [1, 2, 3]}', "completions")
+    assert plain.prompt.token_ids == 3 and plain.forward_body(None) == b'{"prompt": [1, 2, 3]}'
+    assert plain.max_output_tokens(3, 100) == 16  # vLLM's completions default
+    chat = parse_request(b'{"messages": [{"role": "user", "content": "hi"}]}', "chat")
+    assert chat.prompt.messages == ("hi",) and chat.max_output_tokens(10, 100) == 90
+    for raw, kind, needle in [
+            (b"{bad", "completions", "not valid JSON"), (b"[1]", "completions", "JSON object"),
+            (b"", "completions", "empty body"), (b"{}", "completions", "'prompt' is required"),
+            (b'{"prompt": ["a", "b"]}', "completions", "one prompt per request"),
+            (b'{"prompt": "a", "max_tokens": "5"}', "completions", "'max_tokens'"),
+            (b'{"prompt": "a", "max_tokens": 0}', "completions", ">= 1"),
+            (b'{"prompt": "a", "stream": "yes"}', "completions", "'stream'"),
+            (b'{"messages": []}', "chat", "non-empty list"),
+            (b'{"messages": [{"content": "x"}]}', "chat", "string 'role'"),
+            (b"{}", "chat", "'messages' is required")]:
+        with pytest.raises(BadRequest, match=needle):
+            parse_request(raw, kind)  # type: ignore[arg-type]
+    body = (b'{"choices":[{"text":"say \\"completion_tokens\\": 99"}],'
+            b'"usage":{"completion_tokens":7}}')
+    assert completion_tokens(body) == 7
+    stream = (b'data: {"choices":[{"text":"a"}]}\n\n'
+              b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":4}}\n\n'
+              b"data: [DONE]\n\n")
+    kept, tokens = _take_usage(stream, strip=True)
+    assert tokens == 4 and b"usage" not in kept and kept.endswith(b"data: [DONE]\n\n")
+    assert _take_usage(stream, strip=False) == (stream, 4)
+
+
+def test_approx_counter() -> None:
+    c = ApproxCounter(4.0)
+    assert c.count_now(Prompt(text="x" * 40)) == 10
+    assert c.count_now(Prompt(token_ids=17)) == 17
+    assert c.count_now(Prompt(messages=("x" * 8, ""))) == (2 + 4) + (0 + 4)
+
+
+def test_corrupt_or_missing_policy_refuses_to_start(tmp_path: Path) -> None:
+    missing = subprocess.run(
+        [sys.executable, str(REPO / "serve.py"), "--upstream", "fp16=http://127.0.0.1:9",
+         "--policy", str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "policy artifact not found" in missing.stderr
+    art = fixed_policy(tmp_path / "pol", [4, 4, 4, 4], ["fp16"] * 4, pool_names=("fp16",))
+    (art / "policy.safetensors").write_bytes(b"garbage")
+    corrupt = subprocess.run(
+        [sys.executable, str(REPO / "serve.py"), "--upstream", "fp16=http://127.0.0.1:9",
+         "--policy", str(art), "--bucket-edges", "128,256,512"],
+        capture_output=True, text=True, timeout=60)
+    assert corrupt.returncode == 2 and "checksum mismatch" in corrupt.stderr
+    # A policy trained for other buckets or pools does not fit: refused before serving.
+    good = fixed_policy(tmp_path / "pol2", [4, 4, 4, 4], ["fp16"] * 4)
+    with pytest.raises(ArtifactError, match="pools"):
+        create_app(make_settings(("fp16", "http://127.0.0.1:9")), ppo_factory(str(good)))
+    with pytest.raises(ArtifactError, match="bucket edges"):
+        create_app(make_settings(("fp16", "http://127.0.0.1:9"), ("fp8", "http://127.0.0.1:8"),
+                                 buckets=Buckets()), ppo_factory(str(good)))
+
+
+# --------------------------------------------------------------------------- faults
+def test_bad_requests_get_400_with_a_reason() -> None:
+    async def scenario() -> None:
+        # Validation happens before anything else: no upstream is needed (none is reachable).
+        settings = make_settings(("fp16", f"http://127.0.0.1:{free_port()}"))
+        async with running_sidecar(settings, ready=False) as (url, sidecar), \
+                aiohttp.ClientSession() as s:
+            for body, path, needle in [
+                    (b"{not json", "/v1/completions", "not valid JSON"),
+                    ({"model": "m"}, "/v1/completions", "'prompt' is required"),
+                    ({"prompt": "x", "max_tokens": -1}, "/v1/completions", "max_tokens"),
+                    ({"messages": "hi"}, "/v1/chat/completions", "non-empty list")]:
+                status, data, _ = await post(s, url, body, path)
+                assert status == 400, data
+                error = json.loads(data)["error"]
+                assert needle in error["message"] and error["code"] == 400
+            assert sample(sidecar, "rlbatch:bad_requests_total") == 4
+            # A valid request while no upstream answers: 503 with the reason.
+            status, data, headers = await post(s, url, {"prompt": "x"})
+            assert status == 503 and "not ready" in json.loads(data)["error"]["message"]
+            assert headers.get("Retry-After") == "1"
+            async with s.get(url + "/ready") as r:
+                assert r.status == 503 and "waiting for upstreams" in (await r.json())["reason"]
+
+    asyncio.run(scenario())
+
+
+def test_upstream_errors_retry_other_replica_else_503() -> None:
+    async def scenario() -> None:
+        async with fakes(Faults("error500"), Faults("none")) as (bad, good):
+            settings = make_settings(("fp16", bad.url), ("fp16", good.url))
+            async with running_sidecar(settings) as (url, sidecar), \
+                    aiohttp.ClientSession() as s:
+                for stream in (False, True, False, True):
+                    status, data, _ = await post(s, url, {"prompt": "x y", "stream": stream})
+                    assert status == 200, data
+                assert sample(sidecar, "rlbatch:upstream_retries_total", pool="fp16") >= 1
+                good.faults.completion = "drop"  # both replicas fail now
+                status, data, headers = await post(s, url, {"prompt": "x y"})
+                message = json.loads(data)["error"]["message"]
+                assert status == 503 and message.startswith("upstream fp16#")
+                assert headers.get("Retry-After") is not None
+                assert sidecar.tickets == {}  # nothing left behind
+                assert all(u.running_total == 0 for u in sidecar.upstreams)
+
+    asyncio.run(scenario())
+
+
+def test_upstream_dying_mid_stream_ends_stream_with_error_event() -> None:
+    async def scenario() -> None:
+        async with fakes(Faults("drop_midstream", tokens=5)) as (up,), \
+                running_sidecar(make_settings(("fp16", up.url))) as (url, sidecar), \
+                aiohttp.ClientSession() as s:
+            status, data, _ = await post(s, url, {"prompt": "x", "stream": True})
+            assert status == 200
+            assert b'data: {"error"' in data and b"mid-stream" in data
+            assert data.endswith(b"data: [DONE]\n\n")
+            assert sample(sidecar, "rlbatch:requests_total", bucket="0-128",
+                          outcome="upstream_error") == 1
+            assert sidecar.tickets == {}
+
+    asyncio.run(scenario())
+
+
+def test_scrape_failure_applies_guard_fallback_caps(caplog: pytest.LogCaptureFixture) -> None:
+    async def scenario() -> None:
+        async with fakes(Faults()) as (up,):
+            settings = make_settings(("fp16", up.url))
+            async with running_sidecar(settings, "playbook") as (_, sidecar):
+                await until(lambda: sidecar.ticks >= 2)
+                assert sidecar.in_force.caps == (32, 32, 32, 32)  # playbook, all buckets short
+                up.faults.metrics_status = 500
+                await until(lambda: sidecar.fallback_active)
+                assert sidecar.in_force.caps == (4, 4, 4, 4)  # Guard.fallback_action()
+                assert sample(sidecar, "rlbatch:fallback_ticks_total") >= 1
+                up.faults.metrics_status = 200
+                await until(lambda: not sidecar.fallback_active)
+                assert sidecar.in_force.caps == (32, 32, 32, 32)
+
+    with caplog.at_level(logging.INFO, logger="rlbatch.sidecar"):
+        asyncio.run(scenario())
+    assert "fallback caps" in caplog.text and "back in charge" in caplog.text
+
+
+def test_queue_full_and_queue_timeout_answer_429_and_cancel_frees_slot() -> None:
+    async def scenario() -> None:
+        async with fakes(Faults("hang")) as (up,):
+            settings = make_settings(("fp16", up.url), max_queue_len=2, queue_timeout_s=0.5)
+            async with running_sidecar(settings, "static:1") as (url, sidecar), \
+                    aiohttp.ClientSession() as s:
+                # One runs (hangs upstream), two wait (queue bound 2), the fourth is refused.
+                first = asyncio.create_task(post(s, url, {"prompt": "x"}))
+                await asyncio.sleep(0.2)
+                waiting = [asyncio.create_task(post(s, url, {"prompt": "x"})) for _ in range(2)]
+                await asyncio.sleep(0.1)
+                status, data, headers = await post(s, url, {"prompt": "x"})
+                assert status == 429 and "is full" in json.loads(data)["error"]["message"]
+                assert headers.get("Retry-After") == "1"
+                for task in waiting:
+                    status, data, _ = await task
+                    assert status == 429 and "without being admitted" in data.decode()
+                assert up.counters.requests == 1 and up.counters.running == 1
+                first.cancel()  # the client goes away: its upstream request is cancelled
+                with contextlib.suppress(asyncio.CancelledError):
+                    await first
+                await until(lambda: up.counters.cancelled == 1 and not sidecar.tickets)
+                assert up.counters.running == 0
+                assert sidecar.tickets == {}
+                assert all(u.running_total == 0 for u in sidecar.upstreams)
+
+    asyncio.run(scenario())
+
+
+def test_admin_switch_and_state() -> None:
+    async def scenario() -> None:
+        async with fakes(Faults()) as (up,), \
+                running_sidecar(make_settings(("fp16", up.url)), "static:2") as (url, sidecar), \
+                aiohttp.ClientSession() as s:
+            assert up.url in json.dumps(sidecar.state())
+            async with s.post(url + "/admin/controller", json={"controller": "static:6"}) as r:
+                assert r.status == 200 and (await r.json())["controller"] == "static:6"
+            assert sidecar.in_force == ControlAction((None,) * 4, ("fp16",) * 4, 6)
+            assert all(u.max_num_seqs == 6 for u in sidecar.upstreams)
+            async with s.post(url + "/admin/controller", json={"controller": "nope"}) as r:
+                assert r.status == 400 and "unknown controller" in await r.text()
+            async with s.post(url + "/admin/controller",
+                              json={"controller": "ppo:/no/such/policy"}) as r:
+                assert r.status == 400 and "not found" in await r.text()
+            assert sidecar.controller.name == "static:6"  # a failed switch changes nothing
+
+    asyncio.run(scenario())
+
+
+def test_fixed_policy_is_deterministic(tmp_path: Path) -> None:
+    from rlbatch.control import SLA, DeploymentInfo
+
+    path = fixed_policy(tmp_path / "p", [2, 4, 1, 8], ["fp16", "fp16", "fp8", "fp8"])
+    ctl = ppo_factory(str(path))
+    assert isinstance(ctl, PpoController)
+    info = DeploymentInfo(BUCKETS, {"fp16": 1, "fp8": 1}, "x", "y", 32, 1024,
+                          {"fp16": 10, "fp8": 10}, 16, 1024, 1.0, SLA())
+    action = ctl.reset(info)
+    assert action.caps == (2, 4, 1, 8) and action.pools == ("fp16", "fp16", "fp8", "fp8")
+    assert action.kv_budget_fraction == 0.8  # the guard's KV budget rides along
