@@ -44,19 +44,25 @@ def final_comparison(policy: Path, cfg: Any, azure_rates: list[float], out: Path
                     n_jobs=n_jobs, desc="compare")
     candidate = f"ppo:{policy}"
     write_json(out / "comparison.json", rows)
-    text = render(rows, candidate, policy)
+    text = render(rows, candidate, policy, [Path(t).stem for t in cfg.traces])
     (out / "EVAL.md").write_text(text + "\n")
     return text
 
 
-def render(rows: list[dict[str, Any]], candidate: str, policy: Path) -> str:
-    """Table of every run plus the verdicts per trace."""
-    pick = user_pick_static(rows, ["azure_conv_2023"])
+def render(rows: list[dict[str, Any]], candidate: str, policy: Path,
+           training: list[str]) -> str:
+    """Table of every run plus the verdicts per trace.
+
+    :param training: names of the traces the policy was trained on (the user's static pick
+        is made on them).
+    """
+    pick = user_pick_static(rows, training)
     parts = [f"# Evaluation of {policy}", "", "```", format_table(rows), "```", "",
-             f"User's pick on the training traffic (best mean goodput on Azure): {pick}.", ""]
+             f"User's pick on the training traffic (best mean goodput on "
+             f"{', '.join(training)}): {pick}.", ""]
     for trace in ("azure_conv_2023", "mooncake_synthetic"):
         subset = [r for r in rows if r["trace"] == trace]
-        title = "training traffic" if trace.startswith("azure") else "never trained on"
+        title = "training traffic" if trace in training else "never trained on"
         parts += [f"## {trace} ({title})", "",
                   format_verdicts(compare(subset, candidate, pick), "ppo", pick), ""]
     return "\n".join(parts)

@@ -141,6 +141,9 @@ def eval_workloads(cfg: TrainConfig) -> list[tuple[str, Workload]]:
     if cfg.traces:
         trace = load_trace(cfg.traces[0])
         for start, scale in ((300.0, 0.35), (1200.0, 0.5), (2000.0, 0.65), (600.0, 0.8)):
+            span = cfg.episode_s * scale
+            if start + span > trace.duration_s:  # a shorter trace: same place, proportionally
+                start = max(trace.duration_s - span, 0.0) * start / 2000.0
             out.append((f"{trace.name}@{scale:g}",
                         slice_trace(trace, start, cfg.episode_s, scale)))
     out.append(("night", make_scenario("night", seed=10_000, duration_s=cfg.episode_s)))

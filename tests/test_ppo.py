@@ -115,3 +115,11 @@ def test_mismatched_deployment_is_refused(tiny_run: tuple[Path, object]) -> None
     workload = make_scenario("night", seed=1, duration_s=30)
     with pytest.raises(ArtifactError, match="pools"):
         run(workload, controller, DeploymentSpec(pools=parse_pools("fp16:1,fp8:1")))
+
+
+def test_eval_workloads_fit_any_trace_length(mooncake_trace: Path, azure_trace: Path) -> None:
+    from policies.training import eval_workloads
+
+    for trace in (mooncake_trace, azure_trace):
+        workloads = eval_workloads(TrainConfig(traces=(str(trace),)))
+        assert len(workloads) == 6 and all(len(w) > 0 for _, w in workloads)
