@@ -6,8 +6,6 @@ PPO agent learns behind; ``guard_overrides_total`` counts what the guard changed
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 
 from rlbatch.control import ControlAction, DeploymentInfo, DeploymentStats
@@ -202,8 +200,3 @@ def random_factory(arg: str) -> RandomController:
             from None
     return RandomController(seed)
 
-
-def unguarded(config: GuardConfig) -> GuardConfig:
-    """A config with every rule off except sanitising (for ablations)."""
-    return replace(config, warmup=False, kv_high=False, p99=False, efficiency=False,
-                   kv_budget=False)
