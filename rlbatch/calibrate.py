@@ -426,9 +426,7 @@ def build_profile_deployment(spec: Any, profile: CalibratedProfile | None = None
     :param spec: a ``DeploymentSpec`` (pools, buckets, admission, SLA, tick, event skipping).
     :param profile: the profile (default: ``load_profile(spec.profile)``).
     """
-    from rlbatch.admission import Admission
-    from rlbatch.control import DeploymentInfo
-    from rlbatch.deployment import Deployment
+    from rlbatch.deployment import assemble_deployment
 
     profile = profile or load_profile(spec.profile)
     max_model_len = spec.max_model_len or profile.max_model_len
@@ -436,7 +434,6 @@ def build_profile_deployment(spec: Any, profile: CalibratedProfile | None = None
         raise ValueError(f"max_model_len {max_model_len} exceeds the calibrated engine's "
                          f"{profile.max_model_len}")
     engines: list[SimEngine] = []
-    blocks: dict[str, int] = {}
     for pool, count in spec.pools.items():
         for _ in range(count):
             eng = profile.sim_engine(
@@ -444,17 +441,14 @@ def build_profile_deployment(spec: Any, profile: CalibratedProfile | None = None
                 max_num_batched_tokens=spec.max_num_batched_tokens,
                 num_kv_blocks=spec.num_kv_blocks, event_skipping=spec.event_skipping)
             eng.max_model_len = max_model_len
-            blocks[pool] = eng.num_kv_blocks
             engines.append(eng)
     first = engines[0]
-    info = DeploymentInfo(
-        buckets=spec.buckets, pools=dict(spec.pools), gpu=profile.device, model=profile.model,
+    return assemble_deployment(
+        engines, buckets=spec.buckets, admission=spec.admission, gpu=profile.device,
+        model=profile.model, max_model_len=max_model_len, block_size=profile.block_size,
         default_max_num_seqs=first.config.max_num_seqs,
-        max_num_batched_tokens=first.config.max_num_batched_tokens, num_kv_blocks=blocks,
-        block_size=profile.block_size, max_model_len=max_model_len, tick_s=spec.tick_s,
+        max_num_batched_tokens=first.config.max_num_batched_tokens, tick_s=spec.tick_s,
         sla=spec.sla, cold_start=bool(getattr(spec, "cold_start", False)))
-    admission = Admission(list(engines), spec.buckets, max_model_len, spec.admission)
-    return Deployment(list(engines), admission, info)
 
 
 # --------------------------------------------------------------------------- fitting

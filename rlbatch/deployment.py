@@ -183,6 +183,50 @@ class Deployment:
                 close()
 
 
+def assemble_deployment(
+    engines: Sequence[Engine],
+    *,
+    buckets: Buckets,
+    admission: AdmissionConfig,
+    gpu: str,
+    model: str,
+    max_model_len: int,
+    block_size: int,
+    default_max_num_seqs: int,
+    max_num_batched_tokens: int,
+    tick_s: float = 1.0,
+    sla: SLA | None = None,
+    cold_start: bool = False,
+) -> Deployment:
+    """Put engines (simulated, calibrated or live) behind one admission layer; the pools and
+    their KV block counts are read off the engines, in engine order.
+
+    :param engines: the engines, ids 0..n-1, grouped by pool.
+    :param buckets: prompt-length buckets.
+    :param admission: over-length and queue-bound policy.
+    :param gpu: device name for reports.
+    :param model: model name for reports.
+    :param max_model_len: longest sequence admitted.
+    :param block_size: tokens per KV block.
+    :param default_max_num_seqs: the engines' configured ``max_num_seqs``.
+    :param max_num_batched_tokens: the engines' token budget per iteration.
+    :param tick_s: control interval.
+    :param sla: the SLA (default: DESIGN.md's).
+    :param cold_start: the engines have just started (the guard's warm-up applies).
+    """
+    pools: dict[str, int] = {}
+    for eng in engines:
+        pools[eng.pool] = pools.get(eng.pool, 0) + 1
+    info = DeploymentInfo(
+        buckets=buckets, pools=pools, gpu=gpu, model=model,
+        default_max_num_seqs=default_max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        num_kv_blocks={e.pool: e.kv_capacity_tokens // block_size for e in engines},
+        block_size=block_size, max_model_len=max_model_len, tick_s=tick_s,
+        sla=sla or SLA(), cold_start=cold_start)
+    return Deployment(engines, Admission(list(engines), buckets, max_model_len, admission), info)
+
+
 def build_deployment(spec: DeploymentSpec) -> Deployment:
     """Build the engines ``spec`` names: simulated (roofline or calibrated profile) or live
     vLLM."""
@@ -206,7 +250,6 @@ def build_deployment(spec: DeploymentSpec) -> Deployment:
         raise ValueError(f"max_model_len {max_model_len} exceeds {model.name}'s context "
                          f"{model.max_model_len}")
     engines: list[Engine] = []
-    num_blocks: dict[str, int] = {}
     for pool, count in spec.pools.items():
         precision: Precision = "fp8" if pool == "fp8" else "fp16"
         config = EngineConfig(
@@ -222,17 +265,14 @@ def build_deployment(spec: DeploymentSpec) -> Deployment:
                                            max_num_seqs=max_num_seqs)
         blocks = config.num_kv_blocks_override or step_model.kv_capacity_blocks(
             spec.gpu_memory_utilization, config.block_size)
-        num_blocks[pool] = blocks
         for _ in range(count):
             engines.append(SimEngine(
                 engine_id=len(engines), pool=pool, config=config, step_model=step_model,
                 num_kv_blocks=blocks, max_model_len=max_model_len,
                 gpu_memory_total_bytes=gpu.memory_bytes, num_buckets=len(spec.buckets),
                 event_skipping=spec.event_skipping))
-    info = DeploymentInfo(
-        buckets=spec.buckets, pools=dict(spec.pools), gpu=gpu.name, model=model.name,
+    return assemble_deployment(
+        engines, buckets=spec.buckets, admission=spec.admission, gpu=gpu.name,
+        model=model.name, max_model_len=max_model_len, block_size=EngineConfig.block_size,
         default_max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
-        num_kv_blocks=num_blocks, block_size=EngineConfig.block_size, max_model_len=max_model_len,
         tick_s=spec.tick_s, sla=spec.sla, cold_start=spec.cold_start)
-    admission = Admission(engines, spec.buckets, max_model_len, spec.admission)
-    return Deployment(engines, admission, info)

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from rlbatch.admission import Admission, AdmissionConfig
+from rlbatch.admission import AdmissionConfig
 from rlbatch.argtypes import parse_window
 from rlbatch.buckets import Buckets
 from rlbatch.calibrate import (
@@ -43,8 +43,8 @@ from rlbatch.calibrate import (
     load_profile,
     save_profile,
 )
-from rlbatch.control import SLA, ControlAction, DeploymentInfo
-from rlbatch.deployment import Deployment
+from rlbatch.control import ControlAction
+from rlbatch.deployment import Deployment, assemble_deployment
 from rlbatch.engine.base import Engine
 from rlbatch.engine.stats import FinishedRequest
 from rlbatch.engine.vllm_engine import VllmEngine, kv_cache_dtype_for_pool, start_vllm_engine
@@ -278,17 +278,11 @@ def scale_workload(workload: Workload, prompt_scale: float, max_model_len: int,
 
 def _deployment(engines: Sequence[Engine], buckets: Buckets, max_model_len: int,
                 block_size: int, max_num_batched_tokens: int) -> Deployment:
-    pools: dict[str, int] = {}
-    for eng in engines:
-        pools[eng.pool] = pools.get(eng.pool, 0) + 1
-    info = DeploymentInfo(
-        buckets=buckets, pools=pools, gpu="fidelity", model="fidelity",
+    return assemble_deployment(
+        engines, buckets=buckets, admission=AdmissionConfig(), gpu="fidelity",
+        model="fidelity", max_model_len=max_model_len, block_size=block_size,
         default_max_num_seqs=engines[0].max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        num_kv_blocks={e.pool: e.kv_capacity_tokens // block_size for e in engines},
-        block_size=block_size, max_model_len=max_model_len, tick_s=1.0, sla=SLA())
-    admission = Admission(list(engines), buckets, max_model_len, AdmissionConfig())
-    return Deployment(list(engines), admission, info)
+        max_num_batched_tokens=max_num_batched_tokens)
 
 
 def drive(deployment: Deployment, requests: Sequence[Request], action: ControlAction, *,

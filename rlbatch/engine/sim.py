@@ -77,6 +77,18 @@ class SimEngine:
     :param start_s: initial clock.
     """
 
+    # interval counters, reset by every snapshot (see _reset_interval)
+    _interval_start: float
+    _busy_s: float
+    _iterations: int
+    _prefill_tokens: int
+    _decode_tokens: int
+    _preemptions: int
+    _recomputed_tokens: int
+    _kv_overflows: int
+    _peak_used_blocks: int
+    _finished: list[FinishedRequest]
+
     def __init__(
         self,
         engine_id: int,
@@ -116,17 +128,7 @@ class SimEngine:
         self._unfinished = [0] * num_buckets
         self._committed_tokens = 0
         self._decode_coeffs: dict[int, tuple[float, float]] = {}
-        # interval counters, reset by every snapshot
-        self._interval_start = start_s
-        self._busy_s = 0.0
-        self._iterations = 0
-        self._prefill_tokens = 0
-        self._decode_tokens = 0
-        self._preemptions = 0
-        self._recomputed_tokens = 0
-        self._kv_overflows = 0
-        self._peak_used_blocks = 0
-        self._finished: list[FinishedRequest] = []
+        self._reset_interval()
 
     # ----------------------------------------------------------------- Engine protocol
     @property

@@ -423,14 +423,7 @@ class VllmEngine:
         self._now = clock.now()
         self._closed = False
         self.iterations: list[IterationRecord] | None = [] if record_iterations else None
-        # interval counters
-        self._interval_start = self._now
-        self._busy_s = 0.0
-        self._iterations = 0
-        self._prefill_tokens = 0
-        self._decode_tokens = 0
-        self._recomputed_tokens = 0
-        self._finished: list[FinishedRequest] = []
+        self._reset_interval()
         clock.engines.append(self)
 
     # ----------------------------------------------------------------- Engine protocol
@@ -572,14 +565,18 @@ class VllmEngine:
             max_num_seqs=self._max_num_seqs,
             finished=tuple(self._finished),
         )
+        self._reset_interval()
+        return stats
+
+    def _reset_interval(self) -> None:
+        """Start a new stats interval (counters that every snapshot reports and resets)."""
         self._interval_start = self._now
         self._busy_s = 0.0
         self._iterations = 0
         self._prefill_tokens = 0
         self._decode_tokens = 0
         self._recomputed_tokens = 0
-        self._finished = []
-        return stats
+        self._finished: list[FinishedRequest] = []
 
     # ----------------------------------------------------------------- extras
     @property
@@ -861,9 +858,7 @@ def build_live_deployment(spec: Any, config: VllmEngineConfig | None = None, *,
         their clock is reset.
     :returns: the deployment; close its engines with ``for e in d.engines: e.close()``.
     """
-    from rlbatch.admission import Admission
-    from rlbatch.control import DeploymentInfo
-    from rlbatch.deployment import Deployment
+    from rlbatch.deployment import assemble_deployment
 
     config = config or live_config_from_spec(spec)
     pools: dict[str, int] = dict(spec.pools)
@@ -883,12 +878,9 @@ def build_live_deployment(spec: Any, config: VllmEngineConfig | None = None, *,
     max_model_len = min(e.max_model_len for e in engines)
     reading = first.telemetry.read()
     device = reading.devices[0].name if reading.devices else "cpu"
-    info = DeploymentInfo(
-        buckets=spec.buckets, pools=pools, gpu=device, model=config.model,
+    return assemble_deployment(
+        engines, buckets=spec.buckets, admission=spec.admission, gpu=device,
+        model=config.model, max_model_len=max_model_len, block_size=first.block_size,
         default_max_num_seqs=first.configured_max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        num_kv_blocks={e.pool: e.num_kv_blocks for e in engines}, block_size=first.block_size,
-        max_model_len=max_model_len, tick_s=spec.tick_s, sla=spec.sla,
-        cold_start=bool(getattr(spec, "cold_start", False)))
-    admission = Admission(list(engines), spec.buckets, max_model_len, spec.admission)
-    return Deployment(list(engines), admission, info)
+        max_num_batched_tokens=config.max_num_batched_tokens, tick_s=spec.tick_s,
+        sla=spec.sla, cold_start=bool(getattr(spec, "cold_start", False)))
