@@ -17,7 +17,7 @@ import sys
 
 from prometheus_client import disable_created_metrics
 
-from rlbatch.control import make_controller
+from rlbatch.control.controllers import make_controller
 from rlbatch.sidecar import create_app, serve
 from rlbatch.sidecar.cli import add_arguments, controller_spec, run_loop, settings_from_args
 

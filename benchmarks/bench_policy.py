@@ -15,9 +15,9 @@ import numpy as np
 
 from policies.artifact import load_artifact
 from policies.ppo import PpoController
-from rlbatch.deployment import DeploymentSpec, build_deployment
-from rlbatch.loop import ControlLoop
-from rlbatch.scenarios import make_scenario
+from rlbatch.serving.deployment import DeploymentSpec, build_deployment
+from rlbatch.serving.loop import ControlLoop
+from rlbatch.workload.scenarios import make_scenario
 
 
 def main() -> int:

@@ -14,9 +14,9 @@ import platform
 import time
 from pathlib import Path
 
-from rlbatch.control import make_controller
-from rlbatch.deployment import DeploymentSpec
-from rlbatch.runner import run
+from rlbatch.control.controllers import make_controller
+from rlbatch.serving.deployment import DeploymentSpec
+from rlbatch.serving.run import run
 from rlbatch.workload import load_trace
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared/data/traces/azure_conv_2023.csv"

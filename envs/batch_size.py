@@ -10,18 +10,23 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from rlbatch.action_codec import ActionCodec
-from rlbatch.admission import AdmissionConfig
 from rlbatch.buckets import Buckets
-from rlbatch.control import SLA, ControlAction, DeploymentInfo, DeploymentStats
-from rlbatch.deployment import Deployment, DeploymentSpec, build_deployment, parse_pools
-from rlbatch.guard import Guard, GuardConfig
-from rlbatch.loop import ControlLoop
-from rlbatch.observation import CLIP, GLOBAL_FEATURES, PER_BUCKET_FEATURES, ObservationBuilder
+from rlbatch.control.action_codec import ActionCodec
+from rlbatch.control.guard import Guard, GuardConfig
+from rlbatch.control.observation import (
+    CLIP,
+    GLOBAL_FEATURES,
+    PER_BUCKET_FEATURES,
+    ObservationBuilder,
+)
+from rlbatch.control.reward import RewardConfig, compute_reward
+from rlbatch.control.types import SLA, ControlAction, DeploymentInfo, DeploymentStats
 from rlbatch.paths import default_training_traces
-from rlbatch.reward import RewardConfig, compute_reward
-from rlbatch.scenarios import SCENARIOS, ScenarioSampler, make_scenario
+from rlbatch.serving.admission import AdmissionConfig
+from rlbatch.serving.deployment import Deployment, DeploymentSpec, build_deployment, parse_pools
+from rlbatch.serving.loop import ControlLoop
 from rlbatch.workload import Workload
+from rlbatch.workload.scenarios import SCENARIOS, ScenarioSampler, make_scenario
 
 
 class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
@@ -34,7 +39,7 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     and a paged KV cache. Every control tick (``tick_s`` of engine time, 1 s by default) the
     agent sets, per bucket, the cap (most requests of that bucket an engine holds at once)
     and the pool (``fp16`` or ``fp8`` KV cache) the bucket is routed to. A hard rule-based
-    :class:`~rlbatch.guard.Guard` turns the proposal into a safe action first (warm-up ramp,
+    :class:`~rlbatch.control.guard.Guard` turns the proposal into a safe action first (warm-up ramp,
     KV-usage and P99 circuit breakers, efficiency monitor, committed-KV admission budget);
     its overrides are penalised and reported.
 
@@ -68,7 +73,7 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     | 8B+8..12 | guard rule active: warmup, kv_high, p99, efficiency, kv_budget | 0 / 1 |
 
     ## Rewards
-    Per tick (see :mod:`rlbatch.reward`)::
+    Per tick (see :mod:`rlbatch.control.reward`)::
 
         r = (met - 0.5 missed) / norm - 0.2 late_queue - 0.05 preemptions / norm
             - 1.0 [kv_overflow] - 0.02 overrides / B - 0.015 met_fp8 / norm
@@ -97,7 +102,7 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
       ``night``, ``bursty``, ``diurnal``), or a trace file path (random slices of it).
     * ``traces``: training traces for ``mixed`` (default: the shipped Azure trace).
     * ``pools``: ``fp16``, ``fp8`` or ``fp16:1,fp8:1`` (then the pool action is live).
-    * ``guard``: a :class:`~rlbatch.guard.GuardConfig` (default: the guide's rules).
+    * ``guard``: a :class:`~rlbatch.control.guard.GuardConfig` (default: the guide's rules).
     * ``engine``: ``sim`` (default) or ``vllm``: real in-process vLLM engines (``model="tiny"``
       here, a checkpoint folder on a GPU host); ticks are then wall-clock, each reset starts
       fresh engines, and the guard's warm-up applies (a cold start).

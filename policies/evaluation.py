@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from policies.compare import compare, format_verdicts, user_pick_static
-from rlbatch.admission import AdmissionConfig
-from rlbatch.deployment import DeploymentSpec, parse_pools
-from rlbatch.evaluate import EvalJob, run_jobs
 from rlbatch.paths import traces_dir
-from rlbatch.report import format_table, write_json
+from rlbatch.serving.admission import AdmissionConfig
+from rlbatch.serving.deployment import DeploymentSpec, parse_pools
+from rlbatch.tools.evaluate import EvalJob, run_jobs
+from rlbatch.tools.report import format_table, write_json
 
 BASELINES = ("static:4", "static:8", "static:16", "static:32", "static:64", "vllm-default",
              "playbook", "aimd")

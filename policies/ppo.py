@@ -10,10 +10,10 @@ from pathlib import Path
 
 from policies.artifact import ArtifactError, PolicyArtifact, load_artifact
 from policies.rules import GuardedController
-from rlbatch.action_codec import ActionCodec
-from rlbatch.control import ControlAction, DeploymentInfo, DeploymentStats
-from rlbatch.guard import GuardConfig
-from rlbatch.observation import ObservationBuilder
+from rlbatch.control.action_codec import ActionCodec
+from rlbatch.control.guard import GuardConfig
+from rlbatch.control.observation import ObservationBuilder
+from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats
 
 
 class PpoController(GuardedController):

@@ -1,6 +1,6 @@
 """Rule controllers: the tuning guide's playbook, AIMD on P99, and a random policy.
 
-All three propose an action and pass it through the same :class:`~rlbatch.guard.Guard` the
+All three propose an action and pass it through the same :class:`~rlbatch.control.guard.Guard` the
 PPO agent learns behind; ``guard_overrides_total`` counts what the guard changed.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from rlbatch.control import ControlAction, DeploymentInfo, DeploymentStats
-from rlbatch.guard import Guard, GuardConfig
+from rlbatch.control.guard import Guard, GuardConfig
+from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats
 
 
 class GuardedController:

@@ -23,13 +23,14 @@ from policies.artifact import load_artifact, save_artifact
 from policies.compare import starved_buckets
 from policies.ppo import PpoController
 from rlbatch import __version__
-from rlbatch.control import DeploymentStats, make_controller
-from rlbatch.deployment import DeploymentSpec, parse_pools
-from rlbatch.observation import feature_names
+from rlbatch.control.controllers import make_controller
+from rlbatch.control.observation import feature_names
+from rlbatch.control.types import DeploymentStats
 from rlbatch.paths import default_training_traces
-from rlbatch.runner import run
-from rlbatch.scenarios import make_scenario, slice_trace
+from rlbatch.serving.deployment import DeploymentSpec, parse_pools
+from rlbatch.serving.run import run
 from rlbatch.workload import Workload, load_trace
+from rlbatch.workload.scenarios import make_scenario, slice_trace
 
 
 @dataclass

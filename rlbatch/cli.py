@@ -17,13 +17,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from rlbatch.admission import AdmissionConfig
-from rlbatch.argtypes import checked, parse_window, positive_floats
 from rlbatch.buckets import Buckets
-from rlbatch.control import SLA, controller_specs, make_controller
-from rlbatch.deployment import DeploymentSpec, parse_pools
-from rlbatch.evaluate import EvalJob, load_job_workload, run_job, run_jobs
-from rlbatch.report import format_buckets, format_table, write_json
+from rlbatch.commands.argtypes import checked, parse_window, positive_floats
+from rlbatch.control.controllers import controller_specs, make_controller
+from rlbatch.control.types import SLA
+from rlbatch.serving.admission import AdmissionConfig
+from rlbatch.serving.deployment import DeploymentSpec, parse_pools
+from rlbatch.tools.evaluate import EvalJob, load_job_workload, run_job, run_jobs
+from rlbatch.tools.report import format_buckets, format_table, write_json
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
@@ -173,8 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     profile_check_mod.add_arguments(pc)
     pc.set_defaults(func=profile_check_mod.run)
 
-    from rlbatch import calibrate as calibrate_mod
-    from rlbatch import fidelity as fidelity_mod
+    from rlbatch.tools import calibrate as calibrate_mod
+    from rlbatch.tools import fidelity as fidelity_mod
 
     ca = sub.add_parser("calibrate", help="fit the simulator's step-time model to a live vLLM "
                         "engine", description="Profiling sweep on a live vLLM engine (batch x "
@@ -189,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     fidelity_mod.add_arguments(fi)
     fi.set_defaults(func=fidelity_mod.run)
 
-    from rlbatch import sweep as sweep_mod
+    from rlbatch.tools import sweep as sweep_mod
 
     sw = sub.add_parser("sweep", help="throughput-latency sweep over batch x sequence length",
                         description="The tuning guide's benchmark checklist: tokens/s, latency "

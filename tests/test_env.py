@@ -10,7 +10,7 @@ from stable_baselines3.common.env_checker import check_env as sb3_check_env
 
 import envs
 from envs.batch_size import BatchSizeEnv
-from rlbatch.observation import feature_names
+from rlbatch.control.observation import feature_names
 
 SHORT = {"episode_s": 60.0, "drain_s": 20.0}
 

@@ -9,20 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlbatch.buckets import Buckets
-from rlbatch.control import (
-    SLA,
-    ControlAction,
-    DeploymentInfo,
-    DeploymentStats,
-    WindowStats,
-    make_controller,
-)
-from rlbatch.deployment import DeploymentSpec
+from rlbatch.control.controllers import make_controller
+from rlbatch.control.guard import RULES, Guard, GuardConfig
+from rlbatch.control.types import SLA, ControlAction, DeploymentInfo, DeploymentStats, WindowStats
 from rlbatch.engine.stats import EngineStats
-from rlbatch.guard import RULES, Guard, GuardConfig
-from rlbatch.runner import run
-from rlbatch.scenarios import SCENARIOS, make_scenario
+from rlbatch.serving.deployment import DeploymentSpec
+from rlbatch.serving.run import run
 from rlbatch.workload import load_trace
+from rlbatch.workload.scenarios import SCENARIOS, make_scenario
 
 INFO = DeploymentInfo(buckets=Buckets(), pools={"fp16": 1, "fp8": 1}, gpu="a100-80g",
                       model="llama-2-7b", default_max_num_seqs=256, max_num_batched_tokens=2048,

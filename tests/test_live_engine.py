@@ -17,17 +17,9 @@ from pathlib import Path
 import pytest
 
 from rlbatch.buckets import Buckets
-from rlbatch.calibrate import (
-    CalibratedStepTimeModel,
-    calibrate,
-    load_profile,
-    save_profile,
-)
-from rlbatch.calibrate import add_arguments as calibrate_arguments
-from rlbatch.calibrate import run as calibrate_run
-from rlbatch.control import ControlAction
-from rlbatch.deployment import DeploymentSpec
+from rlbatch.control.types import ControlAction
 from rlbatch.engine.stats import EngineStats, FinishedRequest
+from rlbatch.engine.telemetry import MemoryTelemetry
 from rlbatch.engine.tiny_model import TinyModelSpec, ensure_tiny_model
 from rlbatch.engine.vllm_engine import (
     LiveClock,
@@ -36,9 +28,17 @@ from rlbatch.engine.vllm_engine import (
     build_live_deployment,
     start_vllm_engine,
 )
-from rlbatch.fidelity import run_fidelity, scale_workload
 from rlbatch.request import Request
-from rlbatch.telemetry import MemoryTelemetry
+from rlbatch.serving.deployment import DeploymentSpec
+from rlbatch.tools.calibrate import (
+    CalibratedStepTimeModel,
+    calibrate,
+    load_profile,
+    save_profile,
+)
+from rlbatch.tools.calibrate import add_arguments as calibrate_arguments
+from rlbatch.tools.calibrate import run as calibrate_run
+from rlbatch.tools.fidelity import run_fidelity, scale_workload
 from rlbatch.workload import poisson, short_chats
 
 pytestmark = pytest.mark.live
@@ -231,9 +231,9 @@ def test_fp8_pool_holds_twice_the_tokens(fp16_engine: VllmEngine, fp8_engine: Vl
 def test_telemetry_falls_back_once(caplog: pytest.LogCaptureFixture,
                                    fp16_engine: VllmEngine) -> None:
     telemetry = MemoryTelemetry()
-    with caplog.at_level(logging.WARNING, logger="rlbatch.telemetry"):
+    with caplog.at_level(logging.WARNING, logger="rlbatch.engine.telemetry"):
         readings = [telemetry.read(kv_cache_usage=0.25) for _ in range(3)]
-    warnings = [r for r in caplog.records if r.name == "rlbatch.telemetry"]
+    warnings = [r for r in caplog.records if r.name == "rlbatch.engine.telemetry"]
     assert len(warnings) == 1, "the fallback is logged exactly once"
     for reading in readings:
         assert reading.source == "process" and reading.devices == ()

@@ -15,7 +15,19 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rlbatch.calibrate import (
+from rlbatch.engine.stats import FinishedRequest
+from rlbatch.engine.telemetry import MemoryTelemetry
+from rlbatch.engine.tiny_model import TinyModelSpec, model_profile_dict
+from rlbatch.engine.vllm_engine import (
+    IterationRecord,
+    VllmEngineConfig,
+    kv_cache_dtype_for_pool,
+    live_config_from_spec,
+)
+from rlbatch.profiles.specs import ModelSpec
+from rlbatch.request import Request
+from rlbatch.serving.deployment import DeploymentSpec
+from rlbatch.tools.calibrate import (
     CalibratedProfile,
     CalibratedStepTimeModel,
     FitReport,
@@ -26,19 +38,7 @@ from rlbatch.calibrate import (
     load_profile,
     save_profile,
 )
-from rlbatch.deployment import DeploymentSpec
-from rlbatch.engine.stats import FinishedRequest
-from rlbatch.engine.tiny_model import TinyModelSpec, model_profile_dict
-from rlbatch.engine.vllm_engine import (
-    IterationRecord,
-    VllmEngineConfig,
-    kv_cache_dtype_for_pool,
-    live_config_from_spec,
-)
-from rlbatch.fidelity import ErrorStats, scale_workload
-from rlbatch.profiles.specs import ModelSpec
-from rlbatch.request import Request
-from rlbatch.telemetry import MemoryTelemetry
+from rlbatch.tools.fidelity import ErrorStats, scale_workload
 from rlbatch.workload import build_workload
 
 COEFFS = StepCoefficients(fixed_s=6e-4, prefill_fixed_s=3e-4, per_token_s=4e-6,
@@ -210,19 +210,19 @@ def test_telemetry_nvml_error_mid_run_falls_back_once(monkeypatch: pytest.Monkey
                                                       caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml(fail_after=2))
     telemetry = MemoryTelemetry()
-    with caplog.at_level(logging.WARNING, logger="rlbatch.telemetry"):
+    with caplog.at_level(logging.WARNING, logger="rlbatch.engine.telemetry"):
         first = telemetry.read()
         later = [telemetry.read(0.1) for _ in range(3)]
     assert first.source == "nvml"
     assert all(r.source == "process" and "GPU is lost" in r.note for r in later)
-    assert len([r for r in caplog.records if r.name == "rlbatch.telemetry"]) == 1
+    assert len([r for r in caplog.records if r.name == "rlbatch.engine.telemetry"]) == 1
 
 
 def test_telemetry_without_nvidia_ml_py(monkeypatch: pytest.MonkeyPatch,
                                         caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import raises ImportError
     telemetry = MemoryTelemetry()
-    with caplog.at_level(logging.WARNING, logger="rlbatch.telemetry"):
+    with caplog.at_level(logging.WARNING, logger="rlbatch.engine.telemetry"):
         readings = [telemetry.read(0.3) for _ in range(2)]
     assert telemetry.failure is not None and "not installed" in telemetry.failure
     assert all(r.source == "process" and r.used_bytes > 0 and r.total_bytes > r.used_bytes
@@ -282,8 +282,8 @@ def test_tiny_model_spec() -> None:
 
 def test_profile_deployment_from_spec(tmp_path: Path) -> None:
     from rlbatch.buckets import Buckets
-    from rlbatch.calibrate import build_profile_deployment
-    from rlbatch.control import ControlAction
+    from rlbatch.control.types import ControlAction
+    from rlbatch.tools.calibrate import build_profile_deployment
 
     path = save_profile(_profile(), tmp_path / "p.json")
     spec = DeploymentSpec(pools={"fp16": 1, "fp8": 1}, buckets=Buckets((128, 256, 512)),

@@ -13,10 +13,10 @@ import envs
 from policies.artifact import ArtifactError, load_artifact
 from policies.ppo import PpoController, ppo_factory
 from policies.training import TrainConfig, train
-from rlbatch.control import make_controller
-from rlbatch.deployment import DeploymentSpec, parse_pools
-from rlbatch.runner import run
-from rlbatch.scenarios import make_scenario
+from rlbatch.control.controllers import make_controller
+from rlbatch.serving.deployment import DeploymentSpec, parse_pools
+from rlbatch.serving.run import run
+from rlbatch.workload.scenarios import make_scenario
 
 
 @pytest.fixture(scope="module")

@@ -25,11 +25,12 @@ import pytest
 
 from policies.artifact import ArtifactError, save_artifact
 from policies.ppo import PpoController, ppo_factory
-from rlbatch.action_codec import ActionCodec
 from rlbatch.buckets import Buckets
-from rlbatch.control import ControlAction, make_controller
-from rlbatch.guard import DEFAULT_LADDER
-from rlbatch.observation import observation_size
+from rlbatch.control.action_codec import ActionCodec
+from rlbatch.control.controllers import make_controller
+from rlbatch.control.guard import DEFAULT_LADDER
+from rlbatch.control.observation import observation_size
+from rlbatch.control.types import ControlAction
 from rlbatch.sidecar import SIDECAR, Sidecar, SidecarSettings, UpstreamSpec, create_app, serve
 from rlbatch.sidecar.app import _take_usage
 from rlbatch.sidecar.cli import add_arguments, controller_spec, settings_from_args
@@ -416,7 +417,7 @@ def test_admin_switch_and_state() -> None:
 
 
 def test_fixed_policy_is_deterministic(tmp_path: Path) -> None:
-    from rlbatch.control import SLA, DeploymentInfo
+    from rlbatch.control.types import SLA, DeploymentInfo
 
     path = fixed_policy(tmp_path / "p", [2, 4, 1, 8], ["fp16", "fp16", "fp8", "fp8"])
     ctl = ppo_factory(str(path))

@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from rlbatch.admission import AdmissionConfig
-from rlbatch.control import make_controller
-from rlbatch.deployment import DeploymentSpec, build_deployment
+from rlbatch.control.controllers import make_controller
 from rlbatch.engine.config import EngineConfig
 from rlbatch.engine.sim import SimEngine
 from rlbatch.engine.stats import FinishedRequest
 from rlbatch.profiles import StepTimeModel
 from rlbatch.request import Request
-from rlbatch.runner import run
+from rlbatch.serving.admission import AdmissionConfig
+from rlbatch.serving.deployment import DeploymentSpec, build_deployment
+from rlbatch.serving.run import run
 from rlbatch.workload import Workload, build_workload, load_trace
 
 

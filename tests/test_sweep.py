@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from rlbatch.control import make_controller
-from rlbatch.deployment import DeploymentSpec, build_deployment
+from rlbatch.control.controllers import make_controller
 from rlbatch.engine.stats import FinishedRequest
 from rlbatch.request import Request
-from rlbatch.sweep import (
+from rlbatch.serving.deployment import DeploymentSpec, build_deployment
+from rlbatch.tools.sweep import (
     LIVE_DEFAULTS,
     MemoryPlan,
     SweepPoint,
@@ -25,11 +25,11 @@ from rlbatch.sweep import (
     run,
     run_sweep,
 )
-from rlbatch.sweep.cli import spec_from_args
-from rlbatch.sweep.closed_loop import ClosedLoopResult, run_closed_loop
-from rlbatch.sweep.engines import EngineSetup, sim_engine
-from rlbatch.sweep.guide import GUIDE_CONFIGS, check_config
-from rlbatch.sweep.point import median_run
+from rlbatch.tools.sweep.cli import spec_from_args
+from rlbatch.tools.sweep.closed_loop import ClosedLoopResult, run_closed_loop
+from rlbatch.tools.sweep.engines import EngineSetup, sim_engine
+from rlbatch.tools.sweep.guide import GUIDE_CONFIGS, check_config
+from rlbatch.tools.sweep.point import median_run
 
 GIB = 2**30
 TOP_KEYS = {"gpu", "model", "precision", "engine", "points", "recommendations", "guide_checks"}

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from rlbatch.engine.tiny_model import ensure_tiny_model
-from rlbatch.sweep import add_arguments, run
-from rlbatch.sweep.live import TINY_KV_CACHE_BYTES, checkpoint_facts
+from rlbatch.tools.sweep import add_arguments, run
+from rlbatch.tools.sweep.live import TINY_KV_CACHE_BYTES, checkpoint_facts
 from tests.test_sweep import MEASURED, MEMORY_KEYS, MEMORY_PARTS, POINT_KEYS, TOP_KEYS
 
 pytestmark = pytest.mark.live

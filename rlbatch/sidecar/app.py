@@ -47,7 +47,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Histogram, generate_latest
 from yarl import URL
 
-from rlbatch.control import Controller
+from rlbatch.control.controllers import Controller
 from rlbatch.engine.stats import FinishedRequest
 from rlbatch.request import Request
 from rlbatch.sidecar.core import ControllerFactory, Sidecar
@@ -479,7 +479,7 @@ def create_app(settings: SidecarSettings, controller: Controller, *,
 
     :param settings: validated settings.
     :param controller: the controller in charge at start (built by the caller, e.g. with
-        :func:`rlbatch.control.make_controller`).
+        :func:`rlbatch.control.controllers.make_controller`).
     :param controller_factory: builds controllers by name for ``POST /admin/controller``.
     :raises ValueError: the controller does not fit the deployment the settings describe
         (a policy artifact's buckets, pools or observation size).

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from rlbatch.buckets import DEFAULT_EDGES, Buckets
-from rlbatch.control import SLA
+from rlbatch.control.types import SLA
 from rlbatch.sidecar.settings import TOKENIZER_MODES, SidecarSettings, UpstreamSpec
 
 ADMIN_TOKEN_ENV = "RLBATCH_ADMIN_TOKEN"

@@ -2,16 +2,16 @@
 
 Request path (lean; no observation is built per request): a handler counts the prompt's
 tokens, turns the request into a :class:`~rlbatch.request.Request` and submits it to
-:class:`~rlbatch.admission.Admission` (the simulator's per-bucket queues, caps, pool routing,
-over-length policy and KV budget). Admission hands it to an :class:`HttpUpstream` when its
+:class:`~rlbatch.serving.admission.Admission` (the simulator's per-bucket queues, caps, pool
+routing, over-length policy and KV budget). Admission hands it to an :class:`HttpUpstream` when its
 bucket is under the cap there; the handler, awaiting its :class:`Ticket`, then forwards it.
 A request leaving an upstream frees its slot at once and the next queued one is admitted.
 
 Control path, every ``tick_s``: scrape every upstream's ``/metrics``, build one
 :class:`~rlbatch.engine.stats.EngineStats` per upstream and the tick's
-:class:`~rlbatch.control.DeploymentStats` (queues, arrivals, rejections, sliding-window
+:class:`~rlbatch.control.types.DeploymentStats` (queues, arrivals, rejections, sliding-window
 latencies), ask the controller (policy + guard, exactly as in the simulator) and apply the
-action. A failed scrape applies the guard's :meth:`~rlbatch.guard.Guard.fallback_action`
+action. A failed scrape applies the guard's :meth:`~rlbatch.control.guard.Guard.fallback_action`
 caps instead (logged). In shadow mode the controller decides and everything is logged, but
 no cap is applied and every request goes to one pool.
 """
@@ -32,17 +32,14 @@ from typing import Any
 import aiohttp
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from rlbatch.admission import Admission, AdmissionConfig
-from rlbatch.control import (
-    ControlAction,
-    Controller,
-    DeploymentInfo,
-    DeploymentStats,
-)
+from rlbatch.control.controllers import Controller
+from rlbatch.control.guard import Guard, GuardConfig
+from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats
 from rlbatch.engine.base import Engine
 from rlbatch.engine.stats import FinishedRequest
-from rlbatch.guard import Guard, GuardConfig
-from rlbatch.metrics import SlidingWindow
+from rlbatch.engine.telemetry import MemoryTelemetry
+from rlbatch.serving.admission import Admission, AdmissionConfig
+from rlbatch.serving.metrics import SlidingWindow
 from rlbatch.sidecar.prom import SidecarMetrics
 from rlbatch.sidecar.settings import SidecarSettings
 from rlbatch.sidecar.tensorboard import DecisionWriter
@@ -54,7 +51,6 @@ from rlbatch.sidecar.tokens import (
 )
 from rlbatch.sidecar.upstream import DONE, QUEUED, HttpUpstream, Ticket
 from rlbatch.sidecar.vllm_metrics import MetricsParseError, parse_vllm_metrics
-from rlbatch.telemetry import MemoryTelemetry
 
 _LOG = logging.getLogger("rlbatch.sidecar")
 

@@ -50,7 +50,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from rlbatch.guard import RULES
+from rlbatch.control.guard import RULES
 
 OUTCOMES: tuple[str, ...] = ("ok", "rejected_queue_full", "rejected_too_long",
                              "queue_timeout", "upstream_error", "upstream_client_error",

@@ -13,7 +13,7 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from rlbatch.buckets import Buckets
-from rlbatch.control import SLA
+from rlbatch.control.types import SLA
 
 POOL_ORDER: tuple[str, ...] = ("fp16", "fp8")
 """Known pools in their canonical order (the order a policy artifact lists them in)."""

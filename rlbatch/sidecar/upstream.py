@@ -1,7 +1,7 @@
 """One vLLM server behind the sidecar, as admission sees it: the Engine protocol over HTTP.
 
-:class:`rlbatch.admission.Admission` (the same per-bucket queues, caps, routing and KV budget
-the simulator uses) hands requests to engines with ``add_request``; here that hands the
+:class:`rlbatch.serving.admission.Admission` (the same per-bucket queues, caps, routing and KV
+budget the simulator uses) hands requests to engines with ``add_request``; here that hands the
 request's :class:`Ticket` its upstream and wakes the handler waiting on it. The upstream
 keeps the bookkeeping vLLM does not export per bucket (requests inside it per bucket, the KV
 they committed), and builds one :class:`~rlbatch.engine.stats.EngineStats` per control tick

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rlbatch.control import DeploymentInfo, DeploymentStats
+from rlbatch.control.types import DeploymentInfo, DeploymentStats
 
 CLIP = 10.0
 

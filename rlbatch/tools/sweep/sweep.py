@@ -7,12 +7,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlbatch.engine.config import Precision
-from rlbatch.sweep.engines import open_backend, precision_note
-from rlbatch.sweep.guide import GUIDE_CONFIGS, GuideCheck, PointKey, admitted_seq_lens, check_config
-from rlbatch.sweep.memory import MemoryPlan
-from rlbatch.sweep.point import SweepPoint, measure_point
-from rlbatch.sweep.recommend import SeqLenRecommendation, recommend
-from rlbatch.sweep.spec import SweepSLA, SweepSpec
+from rlbatch.tools.sweep.engines import open_backend, precision_note
+from rlbatch.tools.sweep.guide import (
+    GUIDE_CONFIGS,
+    GuideCheck,
+    PointKey,
+    admitted_seq_lens,
+    check_config,
+)
+from rlbatch.tools.sweep.memory import MemoryPlan
+from rlbatch.tools.sweep.point import SweepPoint, measure_point
+from rlbatch.tools.sweep.recommend import SeqLenRecommendation, recommend
+from rlbatch.tools.sweep.spec import SweepSLA, SweepSpec
 
 PointCallback = Callable[[SweepPoint], None]
 

@@ -7,10 +7,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rlbatch.control import Controller, DeploymentStats
-from rlbatch.deployment import DeploymentSpec, build_deployment
+from rlbatch.control.controllers import Controller
+from rlbatch.control.types import DeploymentStats
 from rlbatch.engine.stats import FinishedRequest
-from rlbatch.loop import ControlLoop
+from rlbatch.serving.deployment import DeploymentSpec, build_deployment
+from rlbatch.serving.loop import ControlLoop
 from rlbatch.workload import Workload
 
 TickCallback = Callable[[DeploymentStats], None]

@@ -17,9 +17,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from rlbatch.engine.config import Precision
-from rlbatch.sweep.point import SweepPoint
-from rlbatch.sweep.recommend import SeqLenRecommendation
-from rlbatch.sweep.spec import SweepSLA
+from rlbatch.tools.sweep.point import SweepPoint
+from rlbatch.tools.sweep.recommend import SeqLenRecommendation
+from rlbatch.tools.sweep.spec import SweepSLA
 
 Verdict = Literal["holds", "fails", "not checked"]
 PointKey = tuple[str, int, int]

@@ -50,7 +50,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rlbatch.control import ControlAction, DeploymentInfo, DeploymentStats
+from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats
 
 DEFAULT_LADDER: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 RULES: tuple[str, ...] = ("sanitize", "warmup", "kv_high", "p99", "efficiency", "kv_budget")

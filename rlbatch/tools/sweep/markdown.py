@@ -7,9 +7,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rlbatch.sweep.guide import GuideCheck
-from rlbatch.sweep.memory import memory_unit
-from rlbatch.sweep.sweep import METHOD, SweepResult, precision_note
+from rlbatch.tools.sweep.guide import GuideCheck
+from rlbatch.tools.sweep.memory import memory_unit
+from rlbatch.tools.sweep.sweep import METHOD, SweepResult, precision_note
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from rlbatch.buckets import Buckets
-from rlbatch.control import ControlAction
+from rlbatch.control.types import ControlAction
 from rlbatch.engine.base import Engine
 from rlbatch.engine.stats import FinishedRequest
 from rlbatch.request import Request

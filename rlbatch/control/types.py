@@ -1,4 +1,4 @@
-"""Control actions, the Controller protocol and the built-in baseline controllers.
+"""The control vocabulary: actions, SLA, what a controller is told and shown.
 
 A controller is consulted once per control tick with the deployment's stats snapshot and
 returns a ControlAction. Controllers living outside the core package (rule controllers and
@@ -8,13 +8,10 @@ core never imports them: ``make_controller("playbook")`` finds them by name.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import metadata
-from typing import Protocol, runtime_checkable
 
 from rlbatch.buckets import Buckets
-from rlbatch.engine.stats import EngineStats
+from rlbatch.engine.stats import EngineStats, FinishedRequest
 
 ENTRY_POINT_GROUP = "rlbatch.controllers"
 
@@ -162,145 +159,6 @@ class DeploymentStats:
     kv_budget_blocked: bool = False
     oldest_wait_s: tuple[float, ...] = ()
 
-
-@runtime_checkable
-class Controller(Protocol):
-    """Chooses a ControlAction every control tick."""
-
-    name: str
-
-    def reset(self, info: DeploymentInfo) -> ControlAction:
-        """Start of a run: the action in force until the first tick."""
-        ...
-
-    def decide(self, stats: DeploymentStats) -> ControlAction:
-        """The action for the next tick, given the tick that just ended."""
-        ...
-
-
-class StaticController:
-    """``static:N``: a fixed batch size, vLLM's ``--max-num-seqs N`` and nothing else.
-
-    :param max_num_seqs: the batch size N.
-    """
-
-    def __init__(self, max_num_seqs: int) -> None:
-        if max_num_seqs < 1:
-            raise ValueError(f"static batch size must be >= 1, got {max_num_seqs}")
-        self.max_num_seqs = max_num_seqs
-        self.name = f"static:{max_num_seqs}"
-        self._action: ControlAction | None = None
-
-    def reset(self, info: DeploymentInfo) -> ControlAction:
-        first_pool = info.pool_names[0]
-        n = len(info.buckets)
-        self._action = ControlAction((None,) * n, (first_pool,) * n, self.max_num_seqs)
-        return self._action
-
-    def decide(self, stats: DeploymentStats) -> ControlAction:
-        assert self._action is not None, "decide() before reset()"
-        return self._action
-
-
-class VllmDefaultController:
-    """``vllm-default``: no admission control, vLLM's own default budgets."""
-
-    name = "vllm-default"
-
-    def __init__(self) -> None:
-        self._action: ControlAction | None = None
-
-    def reset(self, info: DeploymentInfo) -> ControlAction:
-        first_pool = info.pool_names[0]
-        n = len(info.buckets)
-        self._action = ControlAction((None,) * n, (first_pool,) * n, None)
-        return self._action
-
-    def decide(self, stats: DeploymentStats) -> ControlAction:
-        assert self._action is not None, "decide() before reset()"
-        return self._action
-
-
-ControllerFactory = Callable[[str], Controller]
-
-
-def _static_factory(arg: str) -> Controller:
-    try:
-        n = int(arg)
-    except ValueError:
-        raise ValueError(f"static controller needs an integer batch size, e.g. static:16; "
-                         f"got static:{arg}") from None
-    return StaticController(n)
-
-
-def _vllm_default_factory(arg: str) -> Controller:
-    if arg:
-        raise ValueError(f"vllm-default takes no argument, got vllm-default:{arg}")
-    return VllmDefaultController()
-
-
-BUILTIN_CONTROLLERS: dict[str, ControllerFactory] = {
-    "static": _static_factory,
-    "vllm-default": _vllm_default_factory,
-}
-
-
-def available_controllers() -> dict[str, ControllerFactory]:
-    """Built-in controllers plus those registered in the ``rlbatch.controllers`` entry-point
-    group (loaded lazily on first use)."""
-    found: dict[str, ControllerFactory] = dict(BUILTIN_CONTROLLERS)
-    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name not in found:
-            found[ep.name] = _lazy_factory(ep)
-    return found
-
-
-def _lazy_factory(ep: metadata.EntryPoint) -> ControllerFactory:
-    def factory(arg: str) -> Controller:
-        loaded: ControllerFactory = ep.load()
-        return loaded(arg)
-
-    return factory
-
-
-def make_controller(spec: str) -> Controller:
-    """Build a controller from its command-line name: ``static:16``, ``vllm-default``, or any
-    name registered by a plugin (``playbook``, ``ppo:PATH``, ...)."""
-    name, _, arg = spec.strip().partition(":")
-    factories = available_controllers()
-    if name not in factories:
-        raise ValueError(f"unknown controller {spec!r}; available: "
-                         f"{', '.join(sorted(factories))} (static takes :N, e.g. static:16)")
-    return factories[name](arg)
-
-
-def controller_specs(text: str) -> list[str]:
-    """Split a comma-separated controller list; ``static:{4,8,16}`` expands to three."""
-    specs: list[str] = []
-    for part in _split_top_level(text):
-        if "{" in part and part.endswith("}"):
-            head, _, inner = part.partition("{")
-            specs.extend(head + x.strip() for x in inner[:-1].split(",") if x.strip())
-        elif part:
-            specs.append(part)
-    if not specs:
-        raise ValueError(f"no controller in {text!r}")
-    return specs
-
-
-def _split_top_level(text: str) -> list[str]:
-    parts: list[str] = []
-    depth = 0
-    current = ""
-    for ch in text:
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-        if ch == "," and depth == 0:
-            parts.append(current.strip())
-            current = ""
-        else:
-            current += ch
-    parts.append(current.strip())
-    return [p for p in parts if p]
+def meets_sla(rec: FinishedRequest, sla: SLA) -> bool:
+    """A finished request meets the SLA when both its TTFT and TPOT are within limits."""
+    return (not rec.rejected) and rec.ttft_s <= sla.ttft_s and rec.tpot_s <= sla.tpot_s

@@ -6,11 +6,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rlbatch.engine.config import Precision
-from rlbatch.metrics import percentile
-from rlbatch.sweep.closed_loop import ClosedLoopResult, run_closed_loop
-from rlbatch.sweep.engines import SweepBackend
-from rlbatch.sweep.memory import MemoryBreakdown
-from rlbatch.sweep.spec import SweepSLA, SweepSpec
+from rlbatch.serving.metrics import percentile
+from rlbatch.tools.sweep.closed_loop import ClosedLoopResult, run_closed_loop
+from rlbatch.tools.sweep.engines import SweepBackend
+from rlbatch.tools.sweep.memory import MemoryBreakdown
+from rlbatch.tools.sweep.spec import SweepSLA, SweepSpec
 
 
 def _per_s(count: float, span_s: float) -> float:
@@ -58,7 +58,8 @@ class SweepPoint:
     :param recomputed_tokens: KV tokens thrown away by preemption.
     :param meets_sla: P99 latency and P99 TPOT within the SLA.
     :param ok: meets the SLA without preemption or KV overflow (the guide's test).
-    :param memory: the memory breakdown (GiB), see :class:`~rlbatch.sweep.memory.MemoryBreakdown`.
+    :param memory: the memory breakdown (GiB), see
+        :class:`~rlbatch.tools.sweep.memory.MemoryBreakdown`.
     """
 
     batch: int

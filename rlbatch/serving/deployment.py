@@ -7,15 +7,15 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from rlbatch.admission import Admission, AdmissionConfig
 from rlbatch.buckets import Buckets
-from rlbatch.control import SLA, ControlAction, DeploymentInfo
+from rlbatch.control.types import SLA, ControlAction, DeploymentInfo
 from rlbatch.engine.base import Engine
 from rlbatch.engine.config import PRECISIONS, EngineConfig, Precision, vllm_default_budgets
 from rlbatch.engine.sim import SimEngine
 from rlbatch.engine.stats import EngineStats
 from rlbatch.profiles import RooflineStepTimeModel, load_gpu, load_model
 from rlbatch.request import Request
+from rlbatch.serving.admission import Admission, AdmissionConfig
 
 
 def parse_pools(text: str) -> dict[str, int]:
@@ -236,7 +236,7 @@ def build_deployment(spec: DeploymentSpec) -> Deployment:
         live: Deployment = build_live_deployment(spec)
         return live
     if spec.profile is not None:
-        from rlbatch.calibrate import build_profile_deployment
+        from rlbatch.tools.calibrate import build_profile_deployment
 
         calibrated: Deployment = build_profile_deployment(spec)
         return calibrated

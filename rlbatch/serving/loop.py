@@ -9,11 +9,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from rlbatch.control import ControlAction, DeploymentStats
-from rlbatch.deployment import Deployment
+from rlbatch.control.types import ControlAction, DeploymentStats
 from rlbatch.engine.stats import FinishedRequest
-from rlbatch.metrics import RunTotals, SlidingWindow, summarize
 from rlbatch.request import Request
+from rlbatch.serving.deployment import Deployment
+from rlbatch.serving.metrics import RunTotals, SlidingWindow, summarize
 
 
 class ControlLoop:
@@ -78,7 +78,7 @@ class ControlLoop:
         return self.deployment.done() or self.time_s >= self.deadline_s
 
     def summary(self) -> dict[str, Any]:
-        """Metric fields of the run so far (see :func:`rlbatch.metrics.summarize`)."""
+        """Metric fields of the run so far (see :func:`rlbatch.serving.metrics.summarize`)."""
         makespan = max((r.finish_s for r in self.records), default=0.0)
         makespan = max(makespan, self.deployment.last_arrival_s)
         row = summarize(self.records, self.info.buckets, self.info.sla,

@@ -170,7 +170,7 @@ class MemoryPlan:
 
 def memory_plan(gpu: str, model: str, precision: Precision, gpu_memory_utilization: float = 0.9,
                 max_num_batched_tokens: int | None = None) -> MemoryPlan:
-    """The plan :func:`rlbatch.deployment.build_deployment` sizes a simulated engine with.
+    """The plan :func:`rlbatch.serving.deployment.build_deployment` sizes a simulated engine with.
 
     :param gpu: GPU profile name or JSON path.
     :param model: model profile name or JSON path.

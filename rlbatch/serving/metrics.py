@@ -14,13 +14,8 @@ from typing import Any
 import numpy as np
 
 from rlbatch.buckets import Buckets
-from rlbatch.control import SLA, WindowStats
+from rlbatch.control.types import SLA, WindowStats, meets_sla
 from rlbatch.engine.stats import EngineStats, FinishedRequest
-
-
-def meets_sla(rec: FinishedRequest, sla: SLA) -> bool:
-    """A finished request meets the SLA when both its TTFT and TPOT are within limits."""
-    return (not rec.rejected) and rec.ttft_s <= sla.ttft_s and rec.tpot_s <= sla.tpot_s
 
 
 def percentile(values: Sequence[float] | np.ndarray, q: float) -> float:

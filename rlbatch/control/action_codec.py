@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from rlbatch.control import ControlAction
+from rlbatch.control.types import ControlAction
 
 
 class ActionCodec:

@@ -6,10 +6,10 @@ point, the memory plan of a precision, the memory breakdown of a finished point,
 words the report uses for the device and the precision.
 
 * ``sim`` (:class:`SimBackend`) builds the simulator through
-  :func:`rlbatch.deployment.build_deployment` for every point and applies the ``static:N``
+  :func:`rlbatch.serving.deployment.build_deployment` for every point and applies the ``static:N``
   controller's action, exactly as ``python -m rlbatch simulate --controller static:N`` does;
   the memory breakdown comes from the profiles.
-* ``vllm`` (:class:`rlbatch.sweep.live.LiveBackend`) runs a real in-process vLLM engine
+* ``vllm`` (:class:`rlbatch.tools.sweep.live.LiveBackend`) runs a real in-process vLLM engine
   (``--model tiny`` or a checkpoint folder); imported only when asked for, so the simulator
   sweep never imports the live-engine code.
 
@@ -23,14 +23,14 @@ from dataclasses import dataclass
 from types import TracebackType
 
 from rlbatch.buckets import Buckets
-from rlbatch.control import make_controller
-from rlbatch.deployment import DeploymentSpec, build_deployment
+from rlbatch.control.controllers import make_controller
 from rlbatch.engine.base import Engine
 from rlbatch.engine.config import Precision
 from rlbatch.profiles import load_gpu, load_model
-from rlbatch.sweep.closed_loop import ClosedLoopResult
-from rlbatch.sweep.memory import MemoryBreakdown, MemoryPlan, memory_plan
-from rlbatch.sweep.spec import SweepSpec
+from rlbatch.serving.deployment import DeploymentSpec, build_deployment
+from rlbatch.tools.sweep.closed_loop import ClosedLoopResult
+from rlbatch.tools.sweep.memory import MemoryBreakdown, MemoryPlan, memory_plan
+from rlbatch.tools.sweep.spec import SweepSpec
 
 ENGINE_NAMES: tuple[str, ...] = ("sim", "vllm")
 """Every ``--engine`` the sweep accepts."""
@@ -229,7 +229,7 @@ def open_backend(spec: SweepSpec, max_batch: int | None = None) -> SweepBackend:
     if spec.engine == "sim":
         return SimBackend(spec)
     if spec.engine == "vllm":
-        from rlbatch.sweep.live import LiveBackend  # the live-engine code only when asked
+        from rlbatch.tools.sweep.live import LiveBackend  # the live-engine code only when asked
 
         return LiveBackend(spec, max_batch or max(spec.batches))
     raise ValueError(f"unknown engine {spec.engine!r}; engines: {', '.join(ENGINE_NAMES)}")

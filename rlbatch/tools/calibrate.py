@@ -417,7 +417,7 @@ def load_profile(path: str | Path) -> CalibratedProfile:
 
 
 def build_profile_deployment(spec: Any, profile: CalibratedProfile | None = None) -> Any:
-    """A simulated :class:`~rlbatch.deployment.Deployment` whose engines stand in for the
+    """A simulated :class:`~rlbatch.serving.deployment.Deployment` whose engines stand in for the
     calibrated live engines (``DeploymentSpec(profile=FILE)``): step-time model, KV blocks,
     block size and budgets from the profile; ``spec.max_num_seqs``,
     ``spec.max_num_batched_tokens``, ``spec.num_kv_blocks`` and ``spec.max_model_len`` (at
@@ -426,7 +426,7 @@ def build_profile_deployment(spec: Any, profile: CalibratedProfile | None = None
     :param spec: a ``DeploymentSpec`` (pools, buckets, admission, SLA, tick, event skipping).
     :param profile: the profile (default: ``load_profile(spec.profile)``).
     """
-    from rlbatch.deployment import assemble_deployment
+    from rlbatch.serving.deployment import assemble_deployment
 
     profile = profile or load_profile(spec.profile)
     max_model_len = spec.max_model_len or profile.max_model_len
@@ -515,10 +515,10 @@ def _sweep_requests(batch: int, prompt: int, output: int, gap_s: float, start_id
 
 def _single_engine_deployment(engine: VllmEngine) -> Any:
     """A one-engine deployment without admission control (caps ``None``)."""
-    from rlbatch.admission import Admission, AdmissionConfig
     from rlbatch.buckets import Buckets
-    from rlbatch.control import SLA, ControlAction, DeploymentInfo
-    from rlbatch.deployment import Deployment
+    from rlbatch.control.types import SLA, ControlAction, DeploymentInfo
+    from rlbatch.serving.admission import Admission, AdmissionConfig
+    from rlbatch.serving.deployment import Deployment
 
     buckets = Buckets((engine.max_model_len,))
     info = DeploymentInfo(
@@ -555,7 +555,7 @@ def run_sweep(engine: VllmEngine, batches: Sequence[int], prompt_lens: Sequence[
     whose batch exceeds ``max_num_seqs``, are clipped. Then ``traffic`` (requests with
     arrival times relative to its start) is replayed, which adds the iteration mixes and
     idle gaps of real serving. Requests are admitted through a
-    :class:`~rlbatch.deployment.Deployment`, so rlbatch's loop is part of every timing.
+    :class:`~rlbatch.serving.deployment.Deployment`, so rlbatch's loop is part of every timing.
 
     :param engine: a started live engine (idle).
     :param batches: batch sizes.

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlbatch.control import SLA, DeploymentStats
-from rlbatch.metrics import meets_sla
+from rlbatch.control.types import SLA, DeploymentStats, meets_sla
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Per ``(batch, seq_len)``: a fixed-length closed-loop run under ``static:batch`` reporting
 tokens/s, requests/s, TTFT / TPOT / e2e percentiles, KV cache peak, preemptions, KV overflows
 and the memory breakdown; plots; and verdicts on the guide's two production configurations.
-Engines: the simulator (``sim``) or a live vLLM engine (``vllm``, :mod:`rlbatch.sweep.live`,
+Engines: the simulator (``sim``) or a live vLLM engine (``vllm``, :mod:`rlbatch.tools.sweep.live`,
 imported only when asked for).
 
 Public API: :func:`run_sweep` -> :class:`SweepResult` (``to_dict()`` is the JSON document),
@@ -11,8 +11,8 @@ Public API: :func:`run_sweep` -> :class:`SweepResult` (``to_dict()`` is the JSON
 :func:`open_backend` (engine name -> :class:`SweepBackend`).
 """
 
-from rlbatch.sweep.cli import add_arguments, main, run
-from rlbatch.sweep.engines import (
+from rlbatch.tools.sweep.cli import add_arguments, main, run
+from rlbatch.tools.sweep.engines import (
     BackendInfo,
     EngineSetup,
     SimBackend,
@@ -21,13 +21,13 @@ from rlbatch.sweep.engines import (
     engine_names,
     open_backend,
 )
-from rlbatch.sweep.guide import GUIDE_CONFIGS, GuideCheck, GuideConfig
-from rlbatch.sweep.markdown import render_markdown
-from rlbatch.sweep.memory import MemoryBreakdown, MemoryPlan, measured_breakdown, memory_plan
-from rlbatch.sweep.point import SweepPoint
-from rlbatch.sweep.recommend import SeqLenRecommendation
-from rlbatch.sweep.spec import LIVE_DEFAULTS, SIM_DEFAULTS, GridDefaults, SweepSLA, SweepSpec
-from rlbatch.sweep.sweep import SweepResult, run_spec, run_sweep
+from rlbatch.tools.sweep.guide import GUIDE_CONFIGS, GuideCheck, GuideConfig
+from rlbatch.tools.sweep.markdown import render_markdown
+from rlbatch.tools.sweep.memory import MemoryBreakdown, MemoryPlan, measured_breakdown, memory_plan
+from rlbatch.tools.sweep.point import SweepPoint
+from rlbatch.tools.sweep.recommend import SeqLenRecommendation
+from rlbatch.tools.sweep.spec import LIVE_DEFAULTS, SIM_DEFAULTS, GridDefaults, SweepSLA, SweepSpec
+from rlbatch.tools.sweep.sweep import SweepResult, run_spec, run_sweep
 
 __all__ = [
     "GUIDE_CONFIGS",

@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rlbatch.sweep.plot import PANELS, build_figure, panel_figure, to_rgb_array
-from rlbatch.sweep.sweep import SweepResult
+from rlbatch.tools.sweep.plot import PANELS, build_figure, panel_figure, to_rgb_array
+from rlbatch.tools.sweep.sweep import SweepResult
 
 #: Point fields logged as scalars, with their TensorBoard names.
 SCALARS: tuple[tuple[str, str], ...] = (

@@ -32,10 +32,16 @@ from typing import Any
 
 import numpy as np
 
-from rlbatch.admission import AdmissionConfig
-from rlbatch.argtypes import parse_window
 from rlbatch.buckets import Buckets
-from rlbatch.calibrate import (
+from rlbatch.commands.argtypes import parse_window
+from rlbatch.control.types import ControlAction
+from rlbatch.engine.base import Engine
+from rlbatch.engine.stats import FinishedRequest
+from rlbatch.engine.vllm_engine import VllmEngine, kv_cache_dtype_for_pool, start_vllm_engine
+from rlbatch.request import Request
+from rlbatch.serving.admission import AdmissionConfig
+from rlbatch.serving.deployment import Deployment, assemble_deployment
+from rlbatch.tools.calibrate import (
     CalibratedProfile,
     add_engine_arguments,
     calibrate,
@@ -43,12 +49,6 @@ from rlbatch.calibrate import (
     load_profile,
     save_profile,
 )
-from rlbatch.control import ControlAction
-from rlbatch.deployment import Deployment, assemble_deployment
-from rlbatch.engine.base import Engine
-from rlbatch.engine.stats import FinishedRequest
-from rlbatch.engine.vllm_engine import VllmEngine, kv_cache_dtype_for_pool, start_vllm_engine
-from rlbatch.request import Request
 from rlbatch.workload import Workload, build_workload, load_trace, resolve_workload
 
 __all__ = [

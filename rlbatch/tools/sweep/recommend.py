@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from rlbatch.sweep.memory import MemoryPlan
-from rlbatch.sweep.point import SweepPoint
+from rlbatch.tools.sweep.memory import MemoryPlan
+from rlbatch.tools.sweep.point import SweepPoint
 
 
 @dataclass(frozen=True)

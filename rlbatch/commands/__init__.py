@@ -1,0 +1,1 @@
+"""Command-line commands and their shared options."""

@@ -1,0 +1,1 @@
+"""Control: the action vocabulary, controllers, the guard, observation, reward."""

@@ -1,0 +1,1 @@
+"""Serving: admission, deployments of engines, the control loop and run metrics."""

@@ -1,0 +1,1 @@
+"""Tools built on serving: evaluation, sweep, calibration, fidelity."""
