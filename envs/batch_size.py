@@ -21,9 +21,11 @@ from rlbatch.control.observation import (
 )
 from rlbatch.control.reward import RewardConfig, compute_reward
 from rlbatch.control.types import SLA, ControlAction, DeploymentInfo, DeploymentStats
+from rlbatch.engine.config import parse_pools
 from rlbatch.paths import default_training_traces
 from rlbatch.serving.admission import AdmissionConfig
-from rlbatch.serving.deployment import Deployment, DeploymentSpec, build_deployment, parse_pools
+from rlbatch.serving.builders import build_deployment
+from rlbatch.serving.deployment import Deployment, DeploymentSpec
 from rlbatch.serving.loop import ControlLoop
 from rlbatch.workload import Workload
 from rlbatch.workload.scenarios import SCENARIOS, ScenarioSampler, make_scenario
@@ -80,7 +82,9 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
             + 0.2 (worst bucket attainment - 1)
 
     with ``norm`` the episode's expected arrivals per tick. ``info["reward_parts"]`` holds
-    every component.
+    every component; ``info["stats"]`` is the tick's typed
+    :class:`~rlbatch.control.types.DeploymentStats` (what training's TensorBoard reads through
+    :mod:`rlbatch.control.stats_metrics`).
 
     ## Starting state
     An idle deployment at time 0; the workload of the episode is drawn from the scenario
@@ -221,11 +225,12 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
             "overrides": [o.rule for o in overrides],
             "caps": safe.caps,
             "pools": safe.pools,
+            "stats": stats,
             "engine": {
-                "kv_cache_usage": max((e.kv_cache_usage for e in stats.engines), default=0.0),
-                "throughput_tok_s": sum(e.decode_tokens for e in stats.engines) / stats.tick_s,
-                "preemptions": sum(e.preemptions for e in stats.engines),
-                "kv_overflows": sum(e.kv_overflows for e in stats.engines),
+                "kv_cache_usage": stats.kv_cache_usage_max,
+                "throughput_tok_s": stats.throughput_tok_s,
+                "preemptions": stats.preemptions,
+                "kv_overflows": stats.kv_overflows,
                 "queued": sum(stats.queued),
             },
         }

@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from policies.compare import compare, format_verdicts, user_pick_static
+from rlbatch.engine.config import parse_pools
 from rlbatch.paths import traces_dir
 from rlbatch.serving.admission import AdmissionConfig
-from rlbatch.serving.deployment import DeploymentSpec, parse_pools
+from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.tools.evaluate import EvalJob, run_jobs
 from rlbatch.tools.report import format_table, write_json
 

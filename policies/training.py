@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,9 +25,11 @@ from policies.ppo import PpoController
 from rlbatch import __version__
 from rlbatch.control.controllers import make_controller
 from rlbatch.control.observation import feature_names
+from rlbatch.control.stats_metrics import MetricContext, tensorboard_scalars
 from rlbatch.control.types import DeploymentStats
-from rlbatch.paths import default_training_traces
-from rlbatch.serving.deployment import DeploymentSpec, parse_pools
+from rlbatch.engine.config import parse_pools
+from rlbatch.paths import default_training_traces, trace_ref
+from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.serving.run import run
 from rlbatch.workload import Workload, load_trace
 from rlbatch.workload.scenarios import make_scenario, slice_trace
@@ -127,7 +129,9 @@ def export_policy(model: Any, env_unwrapped: Any, cfg: TrainConfig, path: Path,
         "bucket_edges": list(spec.buckets.edges),
         "sla": {"ttft_s": spec.sla.ttft_s, "tpot_s": spec.sla.tpot_s},
         "tick_s": spec.tick_s,
-        "training": {k: (list(v) if isinstance(v, tuple) else v)
+        # Trace names relative to the traces folder: the artifact travels to other machines.
+        "training": {k: ([trace_ref(x) for x in v] if k == "traces" else
+                         list(v) if isinstance(v, tuple) else v)
                      for k, v in asdict(cfg).items()},
         "rlbatch_version": __version__,
         **(extra or {}),
@@ -163,7 +167,9 @@ def eval_score(row: dict[str, Any], statics: list[dict[str, Any]]) -> float:
 
 
 class TrainingCallbacks:
-    """Builds the SB3 callback that logs engine/guard scalars and evaluates periodically."""
+    """Builds the SB3 callback that logs the metric table's scalars (read off each tick's
+    typed stats, tags from :data:`rlbatch.control.stats_metrics.METRICS`) and the reward parts,
+    and evaluates periodically."""
 
     @staticmethod
     def build(cfg: TrainConfig, env_unwrapped: Any, out: Path) -> Any:
@@ -171,6 +177,7 @@ class TrainingCallbacks:
         from stable_baselines3.common.logger import Figure, HParam
 
         spec = DeploymentSpec(gpu=cfg.gpu, model=cfg.model, pools=parse_pools(cfg.pools))
+        bucket_names, pool_names = spec.buckets.names, tuple(spec.pools)
         workloads = eval_workloads(cfg)
         baselines = ("static:8", "static:16", "static:32", "static:64", "playbook")
 
@@ -178,6 +185,7 @@ class TrainingCallbacks:
             def __init__(self) -> None:
                 super().__init__()
                 self.sums: dict[str, float] = defaultdict(float)
+                self.counts: dict[str, int] = defaultdict(int)
                 self.count = 0
                 self.baseline_rows: dict[str, dict[str, dict[str, Any]]] = {}
                 self.best_score = -math.inf
@@ -205,24 +213,24 @@ class TrainingCallbacks:
 
             def _on_step(self) -> bool:
                 for info in self.locals.get("infos", []):
-                    eng = info.get("engine")
-                    if eng is None:
+                    stats = info.get("stats")
+                    if not isinstance(stats, DeploymentStats):
                         continue
                     self.count += 1
-                    for k, v in eng.items():
-                        self.sums[f"engine/{k}"] += float(v)
+                    ctx = MetricContext(bucket_names, pool_names,
+                                        Counter(info["overrides"]))
+                    for tag, value in tensorboard_scalars(stats, ctx).items():
+                        if math.isfinite(value):
+                            self.sums[tag] += value
+                            self.counts[tag] += 1
                     for k, v in info["reward_parts"].items():
                         self.sums[f"reward/{k}"] += float(v)
-                    for rule in info["overrides"]:
-                        self.sums[f"guard/overrides_{rule}"] += 1.0
-                    for b, (cap, pool) in enumerate(zip(info["caps"], info["pools"],
-                                                        strict=True)):
-                        self.sums[f"caps/bucket{b}"] += float(cap)
-                        self.sums[f"pools/bucket{b}_fp8"] += float(pool == "fp8")
+                        self.counts[f"reward/{k}"] += 1
                 if self.count >= 2000:
                     for k, v in self.sums.items():
-                        self.logger.record(k, v / self.count)
+                        self.logger.record(k, v / self.counts[k])
                     self.sums.clear()
+                    self.counts.clear()
                     self.count = 0
                 if cfg.eval_freq and self.num_timesteps - self.last_eval >= cfg.eval_freq:
                     self.last_eval = self.num_timesteps

@@ -1,5 +1,5 @@
-"""``python -m rlbatch``: see ``rlbatch.cli``."""
+"""``python -m rlbatch``: the command line (:mod:`rlbatch.commands.main`)."""
 
-from rlbatch.cli import main
+from rlbatch.commands.main import main
 
 raise SystemExit(main())

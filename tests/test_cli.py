@@ -9,8 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from rlbatch.cli import main
+from rlbatch.commands.main import main
+from rlbatch.profiles import ProfileError, load_gpu
+from rlbatch.profiles.fit import fit_gpu_efficiency, write_fit
 from tests.conftest import profiling_dir
+from tests.test_profiles import _shipped_json, _write_csv
 
 ROW_FIELDS = {
     "controller", "trace", "rate_scale", "completed", "rejected", "truncated", "goodput_rps",
@@ -92,3 +95,37 @@ def test_module_entry_point_help() -> None:
                           text=True, check=True)
     for command in ("evaluate", "simulate", "profile-check"):
         assert command in proc.stdout
+
+
+def test_profile_check_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "tiny.csv"
+    _write_csv(path)
+    out = tmp_path / "out.json"
+    assert main(["profile-check", "--gpu", "a100-80g", str(path), "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert rows[0]["rows"] == 2 and "median_rel_err" in rows[0]
+    assert "tiny.csv" in capsys.readouterr().out
+    assert main(["profile-check", "--gpu", "a100-80g", str(path),
+                 "--max-median-rel-err", "0.01"]) == 1
+    assert main(["profile-check", "--gpu", "nope", str(path)]) == 2
+    assert main(["profile-check", "--gpu", "h100-80g", str(path)]) == 0
+
+
+def test_profile_fit_cli_writes_profile(tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "tiny.csv"
+    _write_csv(path)
+    gpu_json = tmp_path / "g.json"
+    gpu_json.write_text(json.dumps(_shipped_json("gpus", "a100-80g")))
+    assert main(["profile-fit", "--gpu", str(gpu_json), str(path), "--write",
+                 str(gpu_json)]) == 0
+    assert "eff_compute" in capsys.readouterr().out
+    data = json.loads(gpu_json.read_text())
+    assert data["fit"]["files"] == ["tiny.csv"] and data["fit"]["rows"] == 2
+    fitted, shipped = load_gpu(gpu_json).efficiency, load_gpu("a100-80g").efficiency
+    assert fitted.eff_attn_mem == shipped.eff_attn_mem  # unfitted fields kept
+    assert fitted.eff_elementwise == shipped.eff_elementwise  # no elementwise columns
+    assert "not fitted" in data["fit"]["elementwise"]
+    assert main(["profile-fit", "--gpu", "a100-80g", str(tmp_path / "missing.csv")]) == 2
+    with pytest.raises(ProfileError):
+        write_fit(tmp_path / "tiny.csv", fit_gpu_efficiency("a100-80g", [path]))

@@ -17,27 +17,17 @@ from pathlib import Path
 import pytest
 
 from rlbatch.buckets import Buckets
+from rlbatch.commands import calibrate as calibrate_command
 from rlbatch.control.types import ControlAction
 from rlbatch.engine.stats import EngineStats, FinishedRequest
 from rlbatch.engine.telemetry import MemoryTelemetry
 from rlbatch.engine.tiny_model import TinyModelSpec, ensure_tiny_model
-from rlbatch.engine.vllm_engine import (
-    LiveClock,
-    VllmEngine,
-    VllmEngineConfig,
-    build_live_deployment,
-    start_vllm_engine,
-)
+from rlbatch.engine.vllm import LiveClock, VllmEngine, VllmEngineConfig, start_vllm_engine
+from rlbatch.profiles.calibrated import CalibratedStepTimeModel, load_profile, save_profile
 from rlbatch.request import Request
+from rlbatch.serving.builders import build_live_deployment, profile_sim_engine
 from rlbatch.serving.deployment import DeploymentSpec
-from rlbatch.tools.calibrate import (
-    CalibratedStepTimeModel,
-    calibrate,
-    load_profile,
-    save_profile,
-)
-from rlbatch.tools.calibrate import add_arguments as calibrate_arguments
-from rlbatch.tools.calibrate import run as calibrate_run
+from rlbatch.tools.calibrate import calibrate
 from rlbatch.tools.fidelity import run_fidelity, scale_workload
 from rlbatch.workload import poisson, short_chats
 
@@ -248,7 +238,7 @@ def test_calibrate_and_fidelity(fp16_engine: VllmEngine, tmp_path: Path) -> None
     profile = calibrate(_config(), pools=["fp16"], batches=[1, 4], prompt_lens=[32, 256],
                         output_lens=[16], traffic_s=2.0, engines={"fp16": fp16_engine})
     pool = profile.pool("fp16")
-    assert pool.fit.rows > 50 and pool.fit.median_rel_err < 0.5
+    assert pool.fit.rows > 50 and pool.fit.errors.median < 0.5
     assert pool.fit.total_rel_err < 0.2
     assert pool.num_kv_blocks == fp16_engine.num_kv_blocks
     assert profile.block_size == 32 and profile.max_model_len == 1024
@@ -274,16 +264,16 @@ def test_calibrate_and_fidelity(fp16_engine: VllmEngine, tmp_path: Path) -> None
 
 def test_calibrate_command(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
-    calibrate_arguments(parser)
+    calibrate_command.register(parser.add_subparsers())
     out = tmp_path / "profile.json"
-    args = parser.parse_args(["--engine", "vllm", "--model", "tiny", "--pools", "fp8",
-                              "--max-model-len", "512", "--kv-cache-memory-mib", "16",
+    args = parser.parse_args(["calibrate", "--engine", "vllm", "--model", "tiny", "--pools",
+                              "fp8", "--max-model-len", "512", "--kv-cache-mib", "16",
                               "--block-size", "32", "--batches", "1,2", "--prompt-lens", "32",
                               "--output-lens", "8", "--traffic-s", "0", "--out", str(out)])
-    assert calibrate_run(args) == 0
+    assert args.func(args) == 0
     profile = load_profile(out)
     assert list(profile.pools) == ["fp8"] and profile.pools["fp8"].kv_cache_dtype == "fp8"
-    engine = profile.sim_engine("fp8", 0, 4)
+    engine = profile_sim_engine(profile, "fp8", 0, 4)
     engine.add_request(Request(0, 0.0, 32, 8), 0, 32, False)
     while not engine.is_idle():
         engine.step(math.inf)

@@ -15,30 +15,35 @@ from typing import Any
 import numpy as np
 import pytest
 
+from rlbatch.buckets import Buckets
+from rlbatch.control.types import ControlAction
 from rlbatch.engine.stats import FinishedRequest
 from rlbatch.engine.telemetry import MemoryTelemetry
 from rlbatch.engine.tiny_model import TinyModelSpec, model_profile_dict
-from rlbatch.engine.vllm_engine import (
-    IterationRecord,
-    VllmEngineConfig,
-    kv_cache_dtype_for_pool,
-    live_config_from_spec,
-)
-from rlbatch.profiles.specs import ModelSpec
-from rlbatch.request import Request
-from rlbatch.serving.deployment import DeploymentSpec
-from rlbatch.tools.calibrate import (
+from rlbatch.engine.vllm import IterationRecord, VllmEngineConfig, kv_cache_dtype_for_pool
+from rlbatch.profiles.calibrated import (
     CalibratedProfile,
     CalibratedStepTimeModel,
     FitReport,
     PoolProfile,
     StepCoefficients,
-    default_traffic,
-    fit_step_model,
     load_profile,
+    profile_from_dict,
     save_profile,
 )
-from rlbatch.tools.fidelity import ErrorStats, scale_workload
+from rlbatch.profiles.relative_error import RelativeErrors
+from rlbatch.profiles.specs import ModelSpec
+from rlbatch.request import Request
+from rlbatch.serving.builders import (
+    build_deployment,
+    build_profile_deployment,
+    live_config_from_spec,
+    profile_engine_config,
+    profile_sim_engine,
+)
+from rlbatch.serving.deployment import DeploymentSpec
+from rlbatch.tools.calibrate import default_traffic, fit_step_model
+from rlbatch.tools.fidelity import PercentileComparison, scale_workload
 from rlbatch.workload import build_workload
 
 COEFFS = StepCoefficients(fixed_s=6e-4, prefill_fixed_s=3e-4, per_token_s=4e-6,
@@ -63,8 +68,9 @@ def _records(model: CalibratedStepTimeModel, n: int = 400, seed: int = 0,
 
 
 def _profile(blocks: int = 64) -> CalibratedProfile:
-    fit = FitReport(rows=100, dropped=0, median_rel_err=0.05, p90_rel_err=0.1,
-                    p99_rel_err=0.2, total_rel_err=0.01, measured_s=1.0)
+    errors = RelativeErrors(n=100, median=0.05, p90=0.1, p99=0.2, max=0.3, bias=0.01,
+                            median_signed=0.0)
+    fit = FitReport(rows=100, dropped=0, errors=errors, total_rel_err=0.01, measured_s=1.0)
     return CalibratedProfile(
         name="t", engine="vllm", model="tiny", device="cpu", vllm_version="0",
         block_size=32, max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=512,
@@ -96,7 +102,8 @@ def test_fit_recovers_known_coefficients() -> None:
     for got, want in zip(fitted.as_vector(), COEFFS.as_vector(), strict=True):
         assert math.isclose(got, want, rel_tol=1e-4, abs_tol=1e-13)
     assert report.rows == len(records) and report.dropped == 0
-    assert report.median_rel_err < 1e-6 and report.total_rel_err < 1e-6
+    assert report.errors.median < 1e-6 and report.total_rel_err < 1e-6
+    assert report.errors.n == len(records)
 
 
 def test_fit_is_unbiased_in_the_mean_and_drops_stalls() -> None:
@@ -108,7 +115,7 @@ def test_fit_is_unbiased_in_the_mean_and_drops_stalls() -> None:
     _, report = fit_step_model(stalled)
     assert report.dropped == 8
     assert report.total_rel_err < 0.02
-    assert 0.05 < report.median_rel_err < 0.2
+    assert 0.05 < report.errors.median < 0.2
     with pytest.raises(ValueError, match="at least 8"):
         fit_step_model(records[:5])
 
@@ -118,7 +125,7 @@ def test_sim_with_calibrated_profile_skips_events_exactly() -> None:
     requests = [Request(i, 0.003 * i, 40 + 17 * i, 20 + (7 * i) % 50) for i in range(30)]
     outcomes = []
     for skipping in (True, False):
-        eng = profile.sim_engine("fp16", 0, 1, event_skipping=skipping)
+        eng = profile_sim_engine(profile, "fp16", 0, 1, event_skipping=skipping)
         pending = list(requests)
         finished: list[FinishedRequest] = []
         while pending or not eng.is_idle():
@@ -134,15 +141,15 @@ def test_sim_with_calibrated_profile_skips_events_exactly() -> None:
         outcomes.append(sorted(r.comparable() for r in finished))
     assert outcomes[0] == outcomes[1]
     assert len(outcomes[0]) == 30
-    assert profile.sim_engine("fp8", 0, 1).num_kv_blocks == 128
+    assert profile_sim_engine(profile, "fp8", 0, 1).num_kv_blocks == 128
 
 
 def test_profile_round_trip_and_errors(tmp_path: Path) -> None:
     profile = _profile()
     path = save_profile(profile, tmp_path / "sub" / "p.json")
     assert load_profile(path) == profile
-    assert profile.engine_config("fp8").block_size == 32
-    assert profile.engine_config("fp8").precision == "fp8"
+    assert profile_engine_config(profile, "fp8").block_size == 32
+    assert profile_engine_config(profile, "fp8").precision == "fp8"
     with pytest.raises(ValueError, match="no pool"):
         profile.pool("int4")
     with pytest.raises(FileNotFoundError):
@@ -242,11 +249,16 @@ def test_scale_workload() -> None:
         scale_workload(source, 0.0, 1024)
 
 
-def test_error_stats() -> None:
-    stats = ErrorStats.of(np.array([1.0, 2.0, 4.0]), np.array([1.1, 2.0, 3.0]))
+def test_relative_errors() -> None:
+    stats = RelativeErrors.of(np.array([1.0, 2.0, 4.0]), np.array([1.1, 2.0, 3.0]))
     assert math.isclose(stats.median, 0.1) and stats.n == 3
     assert math.isclose(stats.bias, (0.1 + 0.0 - 0.25) / 3)
-    assert math.isnan(ErrorStats.of(np.array([]), np.array([])).median)
+    assert math.isclose(stats.max, 0.25) and math.isclose(stats.median_signed, 0.0)
+    assert math.isnan(RelativeErrors.of(np.array([]), np.array([])).median)
+    with pytest.raises(ValueError, match="shape"):
+        RelativeErrors.of([1.0], [1.0, 2.0])
+    pct = PercentileComparison.of(np.array([1.0, 2.0, 3.0]), np.array([1.0, 2.0, 3.3]))
+    assert pct.rel_err[0] == 0.0 and pct.rel_err[2] > 0.0
 
 
 def test_engine_config_validation_and_spec_mapping(tmp_path: Path) -> None:
@@ -281,10 +293,6 @@ def test_tiny_model_spec() -> None:
 
 
 def test_profile_deployment_from_spec(tmp_path: Path) -> None:
-    from rlbatch.buckets import Buckets
-    from rlbatch.control.types import ControlAction
-    from rlbatch.tools.calibrate import build_profile_deployment
-
     path = save_profile(_profile(), tmp_path / "p.json")
     spec = DeploymentSpec(pools={"fp16": 1, "fp8": 1}, buckets=Buckets((128, 256, 512)),
                           max_num_seqs=8)
@@ -299,3 +307,17 @@ def test_profile_deployment_from_spec(tmp_path: Path) -> None:
     assert len(finished) == 8 and dep.done()
     with pytest.raises(ValueError, match="exceeds"):
         build_profile_deployment(DeploymentSpec(max_model_len=4096), load_profile(path))
+    via_spec = build_deployment(DeploymentSpec(profile=str(path), buckets=Buckets((128, 256))))
+    assert via_spec.info.gpu == "cpu" and via_spec.info.num_kv_blocks == {"fp16": 64}
+
+
+def test_profile_version_1_is_still_read() -> None:
+    data = _profile().to_dict()
+    data["version"] = 1
+    for pool in data["pools"].values():
+        errors = pool["fit"].pop("errors")
+        pool["fit"].update(median_rel_err=errors["median"], p90_rel_err=errors["p90"],
+                           p99_rel_err=errors["p99"])
+    profile = profile_from_dict(data)
+    fit = profile.pool("fp16").fit
+    assert fit.errors.median == 0.05 and fit.errors.n == 100 and math.isnan(fit.errors.max)

@@ -14,7 +14,8 @@ from policies.artifact import ArtifactError, load_artifact
 from policies.ppo import PpoController, ppo_factory
 from policies.training import TrainConfig, train
 from rlbatch.control.controllers import make_controller
-from rlbatch.serving.deployment import DeploymentSpec, parse_pools
+from rlbatch.engine.config import parse_pools
+from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.serving.run import run
 from rlbatch.workload.scenarios import make_scenario
 

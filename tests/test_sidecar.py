@@ -2,7 +2,7 @@
 
 Where a fault must be injected that a real vLLM server cannot produce on demand (a 500
 answer, a dropped connection, a broken ``/metrics``, a response that never comes) the
-upstream is :class:`~rlbatch.sidecar.testing.FaultInjectionUpstream`; request validation
+upstream is :class:`~tests.fake_upstream.FakeUpstream`; request validation
 needs no upstream at all. Everything else runs against a real vLLM server in
 ``tests/test_sidecar_live.py``.
 """
@@ -26,16 +26,15 @@ import pytest
 from policies.artifact import ArtifactError, save_artifact
 from policies.ppo import PpoController, ppo_factory
 from rlbatch.buckets import Buckets
+from rlbatch.commands.serve import add_arguments, controller_spec, settings_from_args
 from rlbatch.control.action_codec import ActionCodec
 from rlbatch.control.controllers import make_controller
 from rlbatch.control.guard import DEFAULT_LADDER
 from rlbatch.control.observation import observation_size
 from rlbatch.control.types import ControlAction
 from rlbatch.sidecar import SIDECAR, Sidecar, SidecarSettings, UpstreamSpec, create_app, serve
-from rlbatch.sidecar.app import _take_usage
-from rlbatch.sidecar.cli import add_arguments, controller_spec, settings_from_args
 from rlbatch.sidecar.openai import BadRequest, completion_tokens, parse_request
-from rlbatch.sidecar.testing import FaultInjectionUpstream, Faults
+from rlbatch.sidecar.proxy import _take_usage
 from rlbatch.sidecar.tokens import ApproxCounter, Prompt
 from rlbatch.sidecar.vllm_metrics import (
     MetricsParseError,
@@ -43,6 +42,7 @@ from rlbatch.sidecar.vllm_metrics import (
     parse_vllm_metrics,
 )
 from rlbatch.sidecar.vllm_server import free_port
+from tests.fake_upstream import FakeUpstream, Faults
 
 REPO = Path(__file__).resolve().parents[1]
 EDGES = (128, 256, 512)
@@ -111,8 +111,8 @@ async def running_sidecar(settings: SidecarSettings, controller_name: str = "sta
 
 
 @contextlib.asynccontextmanager
-async def fakes(*faults: Faults) -> AsyncIterator[list[FaultInjectionUpstream]]:
-    ups = [FaultInjectionUpstream(faults=f) for f in faults]
+async def fakes(*faults: Faults) -> AsyncIterator[list[FakeUpstream]]:
+    ups = [FakeUpstream(faults=f) for f in faults]
     for u in ups:
         await u.start()
     try:
@@ -176,14 +176,19 @@ def test_cli_builds_settings() -> None:
     add_arguments(parser)
     args = parser.parse_args(["--upstream", "fp16=http://127.0.0.1:8000", "--upstream",
                               "fp8=http://127.0.0.1:8001", "--policy", "p", "--shadow",
-                              "--bucket-edges", "128,256", "--max-queue-len", "8"])
+                              "--buckets", "128,256", "--max-queue-len", "8",
+                              "--max-model-len", "512"])
     s = settings_from_args(args)
     assert s.pools == ("fp16", "fp8") and s.shadow and s.max_queue_len == 8
     assert s.buckets.edges == (128, 256) and s.host == "127.0.0.1"
+    assert s.max_model_len == 512 and s.cold_start and s.over_length is None
     assert controller_spec(args) == "ppo:p"
     with pytest.raises(SystemExit):
         parser.parse_args(["--upstream", "fp16=http://x:1", "--policy", "p", "--controller",
                            "static:4"])
+    warm = parser.parse_args(["--upstream", "fp16=http://x:1", "--controller", "static:4",
+                              "--no-cold-start", "--over-length", "reject"])
+    assert not settings_from_args(warm).cold_start and warm.over_length == "reject"
 
 
 METRICS_PAGE = """\
@@ -271,7 +276,7 @@ def test_corrupt_or_missing_policy_refuses_to_start(tmp_path: Path) -> None:
     (art / "policy.safetensors").write_bytes(b"garbage")
     corrupt = subprocess.run(
         [sys.executable, str(REPO / "serve.py"), "--upstream", "fp16=http://127.0.0.1:9",
-         "--policy", str(art), "--bucket-edges", "128,256,512"],
+         "--policy", str(art), "--buckets", "128,256,512"],
         capture_output=True, text=True, timeout=60)
     assert corrupt.returncode == 2 and "checksum mismatch" in corrupt.stderr
     # A policy trained for other buckets or pools does not fit: refused before serving.
@@ -352,15 +357,16 @@ def test_scrape_failure_applies_guard_fallback_caps(caplog: pytest.LogCaptureFix
         async with fakes(Faults()) as (up,):
             settings = make_settings(("fp16", up.url))
             async with running_sidecar(settings, "playbook") as (_, sidecar):
-                await until(lambda: sidecar.ticks >= 2)
-                assert sidecar.in_force.caps == (32, 32, 32, 32)  # playbook, all buckets short
+                await until(lambda: sidecar.control.ticks >= 2)
+                # playbook: every bucket is short here
+                assert sidecar.control.in_force.caps == (32, 32, 32, 32)
                 up.faults.metrics_status = 500
-                await until(lambda: sidecar.fallback_active)
-                assert sidecar.in_force.caps == (4, 4, 4, 4)  # Guard.fallback_action()
+                await until(lambda: sidecar.control.fallback_active)
+                assert sidecar.control.in_force.caps == (4, 4, 4, 4)  # Guard.fallback_action()
                 assert sample(sidecar, "rlbatch:fallback_ticks_total") >= 1
                 up.faults.metrics_status = 200
-                await until(lambda: not sidecar.fallback_active)
-                assert sidecar.in_force.caps == (32, 32, 32, 32)
+                await until(lambda: not sidecar.control.fallback_active)
+                assert sidecar.control.in_force.caps == (32, 32, 32, 32)
 
     with caplog.at_level(logging.INFO, logger="rlbatch.sidecar"):
         asyncio.run(scenario())
@@ -392,6 +398,18 @@ def test_queue_full_and_queue_timeout_answer_429_and_cancel_frees_slot() -> None
                 assert up.counters.running == 0
                 assert sidecar.tickets == {}
                 assert all(u.running_total == 0 for u in sidecar.upstreams)
+                # Admission counted everything; the control loop's ticks took its counters
+                # into the snapshot, and /metrics names them from the snapshot table.
+                loop = sidecar.control.loop
+                assert loop is not None
+                # (static:N caps no bucket: the waiting requests were in the upstream's
+                # engine-wide FIFO, so the queue bound counted those, and nothing was queued
+                # in admission to cancel.)
+                await until(lambda: loop.arrived_total == 4 and loop.rejected_total == 1)
+                assert loop.cancelled_total == 0
+                assert sample(sidecar, "rlbatch:arrivals_total", bucket="0-128") == 4
+                assert sample(sidecar, "rlbatch:rejections_total", bucket="0-128") == 1
+                assert sample(sidecar, "rlbatch:queue_length", bucket="0-128") == 0
 
     asyncio.run(scenario())
 
@@ -404,14 +422,14 @@ def test_admin_switch_and_state() -> None:
             assert up.url in json.dumps(sidecar.state())
             async with s.post(url + "/admin/controller", json={"controller": "static:6"}) as r:
                 assert r.status == 200 and (await r.json())["controller"] == "static:6"
-            assert sidecar.in_force == ControlAction((None,) * 4, ("fp16",) * 4, 6)
+            assert sidecar.control.in_force == ControlAction((None,) * 4, ("fp16",) * 4, 6)
             assert all(u.max_num_seqs == 6 for u in sidecar.upstreams)
             async with s.post(url + "/admin/controller", json={"controller": "nope"}) as r:
                 assert r.status == 400 and "unknown controller" in await r.text()
             async with s.post(url + "/admin/controller",
                               json={"controller": "ppo:/no/such/policy"}) as r:
                 assert r.status == 400 and "not found" in await r.text()
-            assert sidecar.controller.name == "static:6"  # a failed switch changes nothing
+            assert sidecar.control.controller.name == "static:6"  # a failed switch changes nothing
 
     asyncio.run(scenario())
 

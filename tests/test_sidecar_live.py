@@ -30,7 +30,7 @@ import aiohttp
 import psutil
 import pytest
 
-from rlbatch.engine.vllm_engine import VllmEngineConfig
+from rlbatch.engine.vllm import VllmEngineConfig
 from rlbatch.sidecar.vllm_server import ApiServer, ApiServerSpec, free_port
 from tests.test_sidecar import fixed_policy
 
@@ -82,7 +82,7 @@ def sidecar(servers: Servers, tmp_path: Path, *args: str,
     port = free_port()
     log = (tmp_path / f"sidecar-{port}.log").open("wb")
     cmd = [sys.executable, str(REPO / "serve.py"), *servers.upstream_args(pools),
-           "--port", str(port), "--bucket-edges", EDGES, "--no-cold-start", "--tick-s",
+           "--port", str(port), "--buckets", EDGES, "--no-cold-start", "--tick-s",
            "0.25", "--no-gpu-telemetry", *args]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     url = f"http://127.0.0.1:{port}"
@@ -245,6 +245,9 @@ def test_mixed_lengths_complete_and_caps_obeyed(servers: Servers, tmp_path: Path
             ttft = await sidecar_metric(s, url, 'rlbatch:time_to_first_token_seconds_count'
                                         '{bucket="0-128"}')
             assert ttft and ttft > 0
+            arrivals = await sidecar_metric(s, url, 'rlbatch:arrivals_total{bucket="0-128"}')
+            assert arrivals and arrivals > 0  # the tick's snapshot, named by the table
+            assert await sidecar_metric(s, url, 'rlbatch:queue_length{bucket="0-128"}') is not None
         assert poller.samples > 10
         assert 0 < poller.peak["fp16"] <= 6, poller.peak
         assert 0 < poller.peak["fp8"] <= 3, poller.peak
@@ -259,8 +262,10 @@ def test_mixed_lengths_complete_and_caps_obeyed(servers: Servers, tmp_path: Path
     acc = EventAccumulator(str(logdir))
     acc.Reload()
     tags = acc.Tags()["scalars"]
-    assert "decision/cap/0-128" in tags and "engine/kv_cache_usage/fp8#1" in tags
-    assert acc.Scalars("decision/cap/0-128")[-1].value == 4.0
+    # The snapshot table's tags, the same training writes.
+    assert "decision/batch_cap/0-128" in tags and "engine/kv_cache_usage/fp8" in tags
+    assert "rollout/arrivals/0-128" in tags and "guard/guard_overrides/kv_high" in tags
+    assert acc.Scalars("decision/batch_cap/0-128")[-1].value == 4.0
 
 
 def test_shadow_mode_changes_nothing(servers: Servers, tmp_path: Path) -> None:

@@ -14,7 +14,8 @@ from rlbatch.engine.stats import FinishedRequest
 from rlbatch.profiles import StepTimeModel
 from rlbatch.request import Request
 from rlbatch.serving.admission import AdmissionConfig
-from rlbatch.serving.deployment import DeploymentSpec, build_deployment
+from rlbatch.serving.builders import build_deployment
+from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.serving.run import run
 from rlbatch.workload import Workload, build_workload, load_trace
 

@@ -11,21 +11,20 @@ from pathlib import Path
 
 import pytest
 
+from rlbatch.commands.sweep import add_arguments, run, spec_from_args
 from rlbatch.control.controllers import make_controller
 from rlbatch.engine.stats import FinishedRequest
 from rlbatch.request import Request
-from rlbatch.serving.deployment import DeploymentSpec, build_deployment
+from rlbatch.serving.builders import build_deployment
+from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.tools.sweep import (
     LIVE_DEFAULTS,
     MemoryPlan,
     SweepPoint,
     SweepSLA,
-    add_arguments,
     measured_breakdown,
-    run,
     run_sweep,
 )
-from rlbatch.tools.sweep.cli import spec_from_args
 from rlbatch.tools.sweep.closed_loop import ClosedLoopResult, run_closed_loop
 from rlbatch.tools.sweep.engines import EngineSetup, sim_engine
 from rlbatch.tools.sweep.guide import GUIDE_CONFIGS, check_config
@@ -59,7 +58,8 @@ def cli_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One small CLI run writing JSON, PNG and Markdown (seq 4096 + 32 > llama-2-7b's 4096)."""
     out = tmp_path_factory.mktemp("sweep")
     args = _parser().parse_args([
-        "--engine", "sim", "--batch", "4,8,16", "--seq-len", "512,4096", "--output-len", "32",
+        "--engine", "sim", "--max-num-seqs", "4,8,16", "--seq-len", "512,4096",
+        "--output-len", "32",
         "--num-requests", "16", "--gpu", "a100-80g", "--model", "llama-2-7b", "--quiet",
         "--json", str(out / "s.json"), "--plot", str(out / "s.png"),
         "--report", str(out / "s.md")])
@@ -216,14 +216,15 @@ def test_cli_defaults_follow_the_engine() -> None:
     sim = spec_from_args(_parser().parse_args([]))
     assert (sim.engine, sim.gpu, sim.model, sim.batches, sim.seq_lens) == (
         "sim", "a100-80g", "llama-2-7b", (4, 8, 16, 32), (1024, 2048, 4096))
-    live = spec_from_args(_parser().parse_args(["--engine", "vllm", "--fp8",
+    live = spec_from_args(_parser().parse_args(["--engine", "vllm", "--pools", "fp8",
                                                 "--kv-cache-mib", "8", "--block-size", "64"]))
     assert (live.engine, live.model, live.batches, live.seq_lens, live.precision) == (
         "vllm", "tiny", LIVE_DEFAULTS.batches, LIVE_DEFAULTS.seq_lens, "fp8")
     assert (live.batches, live.seq_lens) == ((1, 4, 8, 16), (128, 256, 512))
     assert (live.kv_cache_memory_bytes, live.block_size) == (8 * 2**20, 64)
     ckpt = spec_from_args(_parser().parse_args(["--engine", "vllm", "--model", "/ckpt",
-                                                "--batch", "2", "--seq-len", "64"]))
+                                                "--max-num-seqs", "2", "--seq-len",
+                                                "64"]))
     assert (ckpt.model, ckpt.batches, ckpt.seq_lens) == ("/ckpt", (2,), (64,))
 
 
@@ -254,9 +255,16 @@ def test_measured_breakdown_sums_to_the_total_and_is_never_negative(measured: in
 @pytest.mark.parametrize("value", ["", "4,-8", "4,x", "0"])
 def test_cli_rejects_bad_batch_lists(value: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        _parser().parse_args(["--batch", value])
+        _parser().parse_args(["--max-num-seqs", value])
     assert exc.value.code == 2
-    assert "argument --batch" in capsys.readouterr().err
+    assert "argument --max-num-seqs" in capsys.readouterr().err
+
+
+def test_cli_pools_is_one_pool(capsys: pytest.CaptureFixture[str]) -> None:
+    assert spec_from_args(_parser().parse_args(["--pools", "fp8"])).precision == "fp8"
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--pools", "fp16:1,fp8:1"])
+    assert "one engine of one pool" in capsys.readouterr().err
 
 
 def test_closed_loop_equals_all_requests_queued_at_t0() -> None:
@@ -326,7 +334,7 @@ def test_logdir_writes_tensorboard_images_and_scalars(tmp_path: Path) -> None:
     pytest.importorskip("torch.utils.tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    args = _parser().parse_args(["--batch", "2,4", "--seq-len", "256", "--output-len", "8",
+    args = _parser().parse_args(["--max-num-seqs", "2,4", "--seq-len", "256", "--output-len", "8",
                                  "--num-requests", "8", "--no-guide-check", "--quiet",
                                  "--logdir", str(tmp_path / "tb")])
     assert run(args) == 0

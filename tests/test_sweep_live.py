@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
+from rlbatch.commands.sweep import add_arguments, run
 from rlbatch.engine.tiny_model import ensure_tiny_model
-from rlbatch.tools.sweep import add_arguments, run
 from rlbatch.tools.sweep.live import TINY_KV_CACHE_BYTES, checkpoint_facts
 from tests.test_sweep import MEASURED, MEMORY_KEYS, MEMORY_PARTS, POINT_KEYS, TOP_KEYS
 
@@ -36,7 +36,7 @@ def live_sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
     parser = argparse.ArgumentParser(prog="rlbatch sweep")
     add_arguments(parser)
     args = parser.parse_args([
-        "--engine", "vllm", "--model", "tiny", "--batch", ",".join(map(str, BATCHES)),
+        "--engine", "vllm", "--model", "tiny", "--max-num-seqs", ",".join(map(str, BATCHES)),
         "--seq-len", ",".join(map(str, SEQ_LENS)), "--output-len", "16",
         "--num-requests", str(REQUESTS), "--no-guide-check", "--quiet",
         "--json", str(out / "live.json"), "--plot", str(out / "live.png"),

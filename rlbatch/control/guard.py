@@ -294,7 +294,7 @@ class Guard:
                  overrides: list[Override]) -> list[int]:
         cfg = self.config
         st = self.state
-        usage = max((e.kv_cache_usage for e in stats.engines), default=0.0)
+        usage = stats.kv_cache_usage_max
         high = not (usage <= cfg.kv_high_threshold)  # NaN counts as high
         if not high:
             st.kv_high_since_s, st.kv_high_halvings, st.kv_high_limit = None, 0, None
@@ -345,9 +345,9 @@ class Guard:
     def _efficiency(self, stats: DeploymentStats, caps: list[int], in_force: list[int],
                     overrides: list[Override]) -> list[int]:
         cfg = self.config
-        computed = sum(e.prefill_tokens + e.decode_tokens for e in stats.engines)
-        wasted = sum(e.recomputed_tokens for e in stats.engines)
-        efficiency = 1.0 - wasted / computed if computed > 0 else 1.0
+        efficiency = stats.batch_efficiency
+        if math.isnan(efficiency):  # nothing computed in the tick: nothing wasted
+            efficiency = 1.0
         self.state.efficiency_active = not (efficiency >= cfg.efficiency_threshold)
         if not self.state.efficiency_active:
             return caps

@@ -83,10 +83,7 @@ class ObservationBuilder:
         tick = stats.tick_s if stats.tick_s > 0 else 1.0
         sla = info.sla
         pools = info.pool_names
-        running = [0] * n_b
-        for es in stats.engines:
-            for b in range(n_b):
-                running[b] += es.running[b] + es.waiting[b]
+        running = stats.in_engines_per_bucket
         out: list[float] = []
         log_q = math.log1p(1000.0)
         log_r = math.log1p(100.0)
@@ -103,24 +100,17 @@ class ObservationBuilder:
             out.append(w.ttft_p99_s[b] / sla.ttft_s)
             out.append(w.tpot_p99_s[b] / sla.tpot_s)
             out.append((stats.oldest_wait_s[b] if stats.oldest_wait_s else 0.0) / sla.ttft_s)
-        engines = stats.engines
-        kv = max((e.kv_cache_usage for e in engines), default=0.0)
-        committed = max((e.committed_tokens / e.kv_capacity_tokens for e in engines
-                         if e.kv_capacity_tokens > 0), default=0.0)
-        mem = max((e.gpu_memory_used_bytes / e.gpu_memory_total_bytes for e in engines
-                   if e.gpu_memory_total_bytes > 0), default=0.0)
-        preempt = sum(e.preemptions for e in engines) / tick
-        decode = sum(e.decode_tokens for e in engines) / tick
-        computed = sum(e.prefill_tokens + e.decode_tokens for e in engines)
-        wasted = sum(e.recomputed_tokens for e in engines)
+        preempt = stats.preemptions / tick
+        decode = stats.decode_tokens / tick
+        efficiency = stats.batch_efficiency
         completed = sum(w.completed)
         out.extend([
-            kv,
-            committed,
-            mem,
+            stats.kv_cache_usage_max,
+            stats.kv_committed_max,
+            stats.gpu_memory_used_max,
             math.log1p(max(preempt, 0.0)),
             math.log1p(max(decode, 0.0)) / math.log1p(10000.0),
-            1.0 - wasted / computed if computed > 0 else 1.0,
+            1.0 if math.isnan(efficiency) else efficiency,  # nothing computed: nothing wasted
             sum(w.sla_met) / completed if completed else 1.0,
             min(stats.time_s / self.warmup_s, 1.0) if self.warmup_s > 0 else 1.0,
             *guard_flags,

@@ -46,19 +46,18 @@ def compute_reward(stats: DeploymentStats, overrides: int, norm: float, sla: SLA
                    cfg: RewardConfig) -> tuple[float, dict[str, float]]:
     """Reward of one tick and its components (logged separately)."""
     met = missed = met_fp8 = 0
-    for es in stats.engines:
-        for rec in es.finished:
-            if meets_sla(rec, sla):
-                met += 1
-                if rec.pool == "fp8":
-                    met_fp8 += 1
-            else:
-                missed += 1
+    for rec in stats.finished:
+        if meets_sla(rec, sla):
+            met += 1
+            if rec.pool == "fp8":
+                met_fp8 += 1
+        else:
+            missed += 1
     missed += sum(stats.rejected)
     n_b = max(len(stats.queued), 1)
     late = sum(min(max(w / sla.ttft_s - 1.0, 0.0), 5.0) for w in stats.oldest_wait_s) / n_b
-    preemptions = sum(es.preemptions for es in stats.engines)
-    overflow = any(es.kv_overflows > 0 for es in stats.engines)
+    preemptions = stats.preemptions
+    overflow = stats.kv_overflows > 0
     w = stats.window
     attain = [m / c for m, c in zip(w.sla_met, w.completed, strict=True) if c > 0]
     worst = min(attain) if attain else 1.0

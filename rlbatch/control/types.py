@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlbatch.buckets import Buckets
-from rlbatch.engine.stats import EngineStats, FinishedRequest
+from rlbatch.engine.stats import EngineStats, FinishedRequest, batch_efficiency
 
 ENTRY_POINT_GROUP = "rlbatch.controllers"
 
@@ -158,6 +158,112 @@ class DeploymentStats:
     action: ControlAction
     kv_budget_blocked: bool = False
     oldest_wait_s: tuple[float, ...] = ()
+
+    # ------------------------------------------------------------------ derived, per bucket
+    @property
+    def running_per_bucket(self) -> tuple[int, ...]:
+        """Per bucket, running sequences summed over engines."""
+        return tuple(sum(es.running[b] for es in self.engines) for b in range(len(self.queued)))
+
+    @property
+    def waiting_per_bucket(self) -> tuple[int, ...]:
+        """Per bucket, sequences waiting inside engines, summed over engines."""
+        return tuple(sum(es.waiting[b] for es in self.engines) for b in range(len(self.queued)))
+
+    @property
+    def in_engines_per_bucket(self) -> tuple[int, ...]:
+        """Per bucket, requests inside engines (running + engine-waiting)."""
+        return tuple(sum(es.running[b] + es.waiting[b] for es in self.engines)
+                     for b in range(len(self.queued)))
+
+    # ------------------------------------------------------------------ derived, totals
+    @property
+    def running_total(self) -> int:
+        """Running sequences over all engines and buckets."""
+        return sum(es.running_total for es in self.engines)
+
+    @property
+    def waiting_total(self) -> int:
+        """Sequences waiting inside engines, all engines and buckets."""
+        return sum(es.waiting_total for es in self.engines)
+
+    @property
+    def preemptions(self) -> int:
+        """Preemptions in the tick, all engines."""
+        return sum(es.preemptions for es in self.engines)
+
+    @property
+    def kv_overflows(self) -> int:
+        """KV overflow iterations in the tick, all engines."""
+        return sum(es.kv_overflows for es in self.engines)
+
+    @property
+    def finished(self) -> tuple[FinishedRequest, ...]:
+        """Requests that finished in the tick, engine by engine."""
+        return tuple(rec for es in self.engines for rec in es.finished)
+
+    @property
+    def finished_count(self) -> int:
+        """Requests that finished in the tick, all engines."""
+        return sum(len(es.finished) for es in self.engines)
+
+    @property
+    def decode_tokens(self) -> int:
+        """Output tokens generated in the tick, all engines."""
+        return sum(es.decode_tokens for es in self.engines)
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens computed in the tick, all engines."""
+        return sum(es.prefill_tokens for es in self.engines)
+
+    @property
+    def computed_tokens(self) -> int:
+        """Prefill + decode tokens computed in the tick, all engines."""
+        return sum(es.prefill_tokens + es.decode_tokens for es in self.engines)
+
+    @property
+    def recomputed_tokens(self) -> int:
+        """KV tokens thrown away by preemption in the tick, all engines."""
+        return sum(es.recomputed_tokens for es in self.engines)
+
+    @property
+    def throughput_tok_s(self) -> float:
+        """Output tokens per second of the tick."""
+        return self.decode_tokens / self.tick_s
+
+    @property
+    def batch_efficiency(self) -> float:
+        """Useful / computed tokens in the tick (NaN when nothing was computed); see
+        :func:`rlbatch.engine.stats.batch_efficiency`."""
+        return batch_efficiency(self.computed_tokens, self.recomputed_tokens)
+
+    # ------------------------------------------------------------------ derived, maxima
+    @property
+    def kv_cache_usage_max(self) -> float:
+        """Highest KV cache usage over engines (0 with no engine)."""
+        return max((es.kv_cache_usage for es in self.engines), default=0.0)
+
+    @property
+    def kv_committed_max(self) -> float:
+        """Highest committed KV (prompt + max output of admitted requests) as a fraction of
+        the engine's pool, over engines that report a pool (0 when none does)."""
+        return max((es.committed_tokens / es.kv_capacity_tokens for es in self.engines
+                    if es.kv_capacity_tokens > 0), default=0.0)
+
+    @property
+    def gpu_memory_used_max(self) -> float:
+        """Highest GPU memory use (fraction of the device) over engines that report it."""
+        return max((es.gpu_memory_used_bytes / es.gpu_memory_total_bytes for es in self.engines
+                    if es.gpu_memory_total_bytes > 0), default=0.0)
+
+    def pool_engines(self, pool: str) -> tuple[EngineStats, ...]:
+        """The snapshots of ``pool``'s engines.
+
+        :param pool: the pool name.
+        """
+        return tuple(es for es in self.engines if es.pool == pool)
+
 
 def meets_sla(rec: FinishedRequest, sla: SLA) -> bool:
     """A finished request meets the SLA when both its TTFT and TPOT are within limits."""

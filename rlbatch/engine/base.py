@@ -40,6 +40,11 @@ class Engine(Protocol):
         """Requests inside the engine (running or waiting)."""
         ...
 
+    def num_waiting(self, bucket: int) -> int:
+        """Requests of ``bucket`` inside the engine waiting to be scheduled (admission's
+        queue bound counts them for a bucket without a cap)."""
+        ...
+
     def committed_tokens(self) -> int:
         """Prompt + max output tokens of every request inside the engine: the KV it will need
         if every request runs to its limit."""

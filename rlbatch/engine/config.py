@@ -66,3 +66,36 @@ class EngineConfig:
         if self.num_kv_blocks_override is not None and self.num_kv_blocks_override < 1:
             raise ValueError(f"num_kv_blocks_override must be >= 1, got "
                              f"{self.num_kv_blocks_override}")
+
+
+def parse_pools(text: str) -> dict[str, int]:
+    """Parse ``"fp16"`` / ``"fp16:2,fp8:1"`` into ``{pool: number of engines}``."""
+    pools: dict[str, int] = {}
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        name, _, count = part.partition(":")
+        if name not in PRECISIONS:
+            raise ValueError(f"unknown pool {name!r} in {text!r}; pools are {PRECISIONS}")
+        try:
+            n = int(count) if count else 1
+        except ValueError:
+            raise ValueError(f"pool {name!r}: engine count must be an integer, got "
+                             f"{count!r}") from None
+        if n < 1:
+            raise ValueError(f"pool {name!r}: engine count must be >= 1, got {n}")
+        if name in pools:
+            raise ValueError(f"pool {name!r} given twice in {text!r}")
+        pools[name] = n
+    if not pools:
+        raise ValueError(f"no pool in {text!r}; e.g. fp16 or fp16:1,fp8:1")
+    return pools
+
+
+def format_pools(pools: dict[str, int]) -> str:
+    """The text :func:`parse_pools` reads back: ``fp16`` or ``fp16,fp8:2``.
+
+    :param pools: engines per pool.
+    """
+    return ",".join(name if n == 1 else f"{name}:{n}" for name, n in pools.items())

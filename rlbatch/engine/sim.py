@@ -150,6 +150,10 @@ class SimEngine:
     def num_unfinished_total(self) -> int:
         return len(self._running) + len(self._waiting)
 
+    def num_waiting(self, bucket: int) -> int:
+        # The running list is bounded by max_num_seqs; the waiting queue is not.
+        return self._unfinished[bucket] - sum(1 for s in self._running if s.bucket == bucket)
+
     def committed_tokens(self) -> int:
         return self._committed_tokens
 

@@ -6,7 +6,23 @@ snapshots; nothing reads engine internals (vLLM's SchedulerStats -> StatLoggerBa
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+
+def batch_efficiency(computed_tokens: int, recomputed_tokens: int) -> float:
+    """Useful tokens / computed tokens: the one batch-efficiency formula.
+
+    With continuous batching and paged KV there is no padding; the waste is KV that was
+    computed and then thrown away by preemption (recompute). 1.0 when nothing was preempted,
+    lower in preemption storms; NaN before any token was computed.
+
+    :param computed_tokens: prefill + decode tokens computed.
+    :param recomputed_tokens: KV tokens thrown away by preemption.
+    """
+    if computed_tokens == 0:
+        return math.nan
+    return max(0.0, computed_tokens - recomputed_tokens) / computed_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,3 +124,18 @@ class EngineStats:
     kv_overflows: int
     max_num_seqs: int
     finished: tuple[FinishedRequest, ...]
+
+    @property
+    def running_total(self) -> int:
+        """Running sequences, all buckets."""
+        return sum(self.running)
+
+    @property
+    def waiting_total(self) -> int:
+        """Sequences waiting inside the engine, all buckets."""
+        return sum(self.waiting)
+
+    @property
+    def computed_tokens(self) -> int:
+        """Prefill + decode tokens computed in the interval."""
+        return self.prefill_tokens + self.decode_tokens

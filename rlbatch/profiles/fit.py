@@ -1,7 +1,7 @@
 """Fit a GPU's efficiency factors to measured operator timings (vidur CSVs).
 
 Linear ops: ``eff_compute``, ``eff_mem``, ``op_overhead_s`` and ``blend_exponent`` of
-:func:`~rlbatch.profiles.step_time.roofline_time_s` are fitted JOINTLY over every row and
+:func:`~rlbatch.profiles.roofline.roofline_time_s` are fitted JOINTLY over every row and
 every GEMM (QKV, out-proj, MLP up, MLP down) of every given file, i.e. over several models and
 TP degrees at once, so the factors describe the GPU rather than one model. The residual is
 the log of predicted / measured time (a relative error, symmetric in over/under-prediction),
@@ -9,19 +9,14 @@ minimised with :func:`scipy.optimize.least_squares` under a soft-L1 loss (scale 
 the few kernels cuBLAS picks badly do not drag the fit. Elementwise kernels (RMSNorm, rope,
 activation) get their own two-parameter fit (``eff_elementwise``, ``elementwise_overhead_s``).
 
-Command line::
-
-    python -m rlbatch.profiles.fit --gpu a100-80g a100_*.csv \
-        [--write rlbatch/profiles/gpus/a100-80g.json]
+Command line: ``rlbatch profile-fit`` (:mod:`rlbatch.commands.profile_fit`).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,10 +24,9 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from scipy.optimize import least_squares
 
+from rlbatch.profiles.roofline import elementwise_time_s
 from rlbatch.profiles.specs import Efficiency, GpuSpec, ProfileError, load_gpu
-from rlbatch.profiles.step_time import elementwise_time_s
 from rlbatch.profiles.vidur import (
     ELEMENTWISE_OPS,
     LINEAR_OPS,
@@ -42,7 +36,7 @@ from rlbatch.profiles.vidur import (
     read_vidur_csv,
 )
 
-__all__ = ["FitResult", "fit_gpu_efficiency", "main", "write_fit"]
+__all__ = ["FitResult", "fit_gpu_efficiency", "write_fit"]
 
 _MIN_EFF, _MAX_EFF = 0.05, 1.0
 _MIN_OVERHEAD_S, _MAX_OVERHEAD_S = 1e-8, 1e-3
@@ -120,6 +114,9 @@ def fit_gpu_efficiency(gpu: GpuSpec | str, csv_paths: Sequence[Path | str]) -> F
     spec = load_gpu(gpu) if isinstance(gpu, str) else gpu
     if not csv_paths:
         raise ProfileError("fit needs at least one CSV file")
+    # scipy costs ~0.4 s to import; only the fit needs it, not every command-line start.
+    from scipy.optimize import least_squares
+
     tables: list[VidurTable] = [read_vidur_csv(p, LINEAR_OPS) for p in csv_paths]
     try:  # the elementwise fit needs those columns in every file; else keep current values
         ew_tables: list[VidurTable] | None = [read_vidur_csv(p, ELEMENTWISE_OPS)
@@ -227,43 +224,3 @@ def write_fit(json_path: Path | str, result: FitResult) -> None:
         data["fit"]["elementwise"] = "not fitted (columns missing); previous values kept"
     GpuSpec.from_dict(data, str(path), path.stem)
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m rlbatch.profiles.fit --gpu NAME FILE.csv... [--write GPU.json]``.
-
-    :param argv: arguments (default ``sys.argv[1:]``).
-    :returns: process exit status.
-    """
-    parser = argparse.ArgumentParser(
-        prog="python -m rlbatch.profiles.fit",
-        description="Fit a GPU's efficiency factors to vidur per-layer timing CSVs.")
-    parser.add_argument("--gpu", required=True, help="GPU profile name or JSON path")
-    parser.add_argument("files", nargs="+", type=Path, help="vidur mlp.csv files")
-    parser.add_argument("--write", type=Path, default=None, metavar="GPU.json",
-                        help="update this GPU profile file with the fitted values")
-    args = parser.parse_args(argv)
-    try:
-        result = fit_gpu_efficiency(args.gpu, args.files)
-        if args.write is not None:
-            write_fit(args.write, result)
-    except (ProfileError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"gpu {result.gpu}: {result.rows} rows from {len(result.files)} file(s)")
-    for name in ("eff_compute", "eff_mem", "op_overhead_s", "blend_exponent",
-                 "eff_elementwise", "elementwise_overhead_s"):
-        print(f"  {name:24s} {getattr(result, name):.6g}")
-    print(f"  linear ops:  median rel err {result.linear_median_rel_err:.3f}, "
-          f"p90 {result.linear_p90_rel_err:.3f}")
-    if result.elementwise_median_rel_err is None:
-        print("  elementwise: not fitted (columns missing), current values kept")
-    else:
-        print(f"  elementwise: median rel err {result.elementwise_median_rel_err:.3f}")
-    if args.write is not None:
-        print(f"wrote {args.write}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

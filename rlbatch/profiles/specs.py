@@ -11,12 +11,21 @@ unknown key is an error, so a typo cannot silently fall back to a default.
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, fields
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from rlbatch.profiles.fields import (
+    ProfileError,
+    check_keys,
+    get_bool,
+    get_section,
+    get_str,
+    pos_float,
+    pos_int,
+)
 
 __all__ = [
     "Efficiency",
@@ -30,82 +39,6 @@ __all__ = [
     "load_gpu",
     "load_model",
 ]
-
-_FREE_FORM_KEYS = frozenset({"description", "notes", "fit", "hf_id"})
-
-
-class ProfileError(ValueError):
-    """A profile (or a measurement file) is missing, unknown or malformed.
-
-    The message names the file and the offending field.
-    """
-
-
-# --------------------------------------------------------------------------- field parsing
-
-
-def _get(data: dict[str, Any], key: str, source: str, default: Any = ...) -> Any:
-    if key in data:
-        return data[key]
-    if default is ...:
-        raise ProfileError(f"{source}: missing required field {key!r}")
-    return default
-
-
-def _pos_float(data: dict[str, Any], key: str, source: str, default: Any = ...,
-               allow_zero: bool = False) -> float:
-    value = _get(data, key, source, default)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ProfileError(f"{source}: field {key!r} must be a number, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value) or value < 0.0 or (value == 0.0 and not allow_zero):
-        kind = "non-negative" if allow_zero else "positive"
-        raise ProfileError(f"{source}: field {key!r} must be a finite {kind} number, "
-                           f"got {value!r}")
-    return value
-
-
-def _pos_int(data: dict[str, Any], key: str, source: str, default: Any = ...,
-             allow_zero: bool = False) -> int:
-    value = _get(data, key, source, default)
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ProfileError(f"{source}: field {key!r} must be an integer, got {value!r}")
-    if value < 0 or (value == 0 and not allow_zero):
-        kind = "non-negative" if allow_zero else "positive"
-        raise ProfileError(f"{source}: field {key!r} must be a {kind} integer, got {value!r}")
-    return value
-
-
-def _bool(data: dict[str, Any], key: str, source: str, default: Any = ...) -> bool:
-    value = _get(data, key, source, default)
-    if not isinstance(value, bool):
-        raise ProfileError(f"{source}: field {key!r} must be true or false, got {value!r}")
-    return value
-
-
-def _str(data: dict[str, Any], key: str, source: str, default: Any = ...) -> str:
-    value = _get(data, key, source, default)
-    if not isinstance(value, str) or not value:
-        raise ProfileError(f"{source}: field {key!r} must be a non-empty string, got {value!r}")
-    return value
-
-
-def _check_keys(data: dict[str, Any], allowed: set[str], source: str) -> None:
-    unknown = sorted(set(data) - allowed - _FREE_FORM_KEYS)
-    if unknown:
-        raise ProfileError(f"{source}: unknown field(s) {unknown}; allowed: {sorted(allowed)}")
-
-
-def _section(data: dict[str, Any], key: str, source: str) -> dict[str, Any] | None:
-    value = data.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise ProfileError(f"{source}: field {key!r} must be an object or null, got {value!r}")
-    return value
-
 
 # --------------------------------------------------------------------------- GPU
 
@@ -152,11 +85,11 @@ class Efficiency:
         :param source: file name used in error messages.
         """
         names = {f.name for f in fields(cls)}
-        _check_keys(data, names, source)
+        check_keys(data, names, source)
         values: dict[str, float] = {}
         for name in names:
             zero_ok = name.endswith("_s")
-            values[name] = _pos_float(data, name, f"{source} (efficiency)", allow_zero=zero_ok)
+            values[name] = pos_float(data, name, f"{source} (efficiency)", allow_zero=zero_ok)
         for name in names - {"blend_exponent"}:
             if not name.endswith("_s") and values[name] > 1.0:
                 raise ProfileError(f"{source}: field 'efficiency.{name}' must be in (0, 1], "
@@ -210,29 +143,29 @@ class GpuSpec:
         :param default_name: name used when the file has no ``"name"`` field.
         """
         allowed = {f.name for f in fields(cls)}
-        _check_keys(data, allowed, source)
-        fp8 = _bool(data, "fp8_supported", source)
+        check_keys(data, allowed, source)
+        fp8 = get_bool(data, "fp8_supported", source)
         peak_fp8_raw = data.get("peak_flops_fp8")
-        peak_fp8 = _pos_float(data, "peak_flops_fp8", source) if peak_fp8_raw is not None \
+        peak_fp8 = pos_float(data, "peak_flops_fp8", source) if peak_fp8_raw is not None \
             else None
         if fp8 and peak_fp8 is None:
             raise ProfileError(f"{source}: field 'peak_flops_fp8' is required when "
                                f"fp8_supported is true")
-        eff = _section(data, "efficiency", source)
+        eff = get_section(data, "efficiency", source)
         if eff is None:
             raise ProfileError(f"{source}: missing required field 'efficiency'")
         description = data.get("description", "")
         return cls(
-            name=_str(data, "name", source, default_name),
-            memory_bytes=_pos_int(data, "memory_bytes", source),
-            hbm_bandwidth_bytes_s=_pos_float(data, "hbm_bandwidth_bytes_s", source),
-            peak_flops_fp16=_pos_float(data, "peak_flops_fp16", source),
+            name=get_str(data, "name", source, default_name),
+            memory_bytes=pos_int(data, "memory_bytes", source),
+            hbm_bandwidth_bytes_s=pos_float(data, "hbm_bandwidth_bytes_s", source),
+            peak_flops_fp16=pos_float(data, "peak_flops_fp16", source),
             fp8_supported=fp8,
             peak_flops_fp8=peak_fp8,
-            nvlink_bandwidth_bytes_s=_pos_float(data, "nvlink_bandwidth_bytes_s", source),
-            allreduce_latency_s=_pos_float(data, "allreduce_latency_s", source,
+            nvlink_bandwidth_bytes_s=pos_float(data, "nvlink_bandwidth_bytes_s", source),
+            allreduce_latency_s=pos_float(data, "allreduce_latency_s", source,
                                            allow_zero=True),
-            fixed_overhead_s=_pos_float(data, "fixed_overhead_s", source, allow_zero=True),
+            fixed_overhead_s=pos_float(data, "fixed_overhead_s", source, allow_zero=True),
             efficiency=Efficiency.from_dict(eff, source),
             description=description if isinstance(description, str) else "",
         )
@@ -269,14 +202,14 @@ class MlaSpec:
         :param source: file name used in error messages.
         """
         src = f"{source} (mla)"
-        _check_keys(data, {f.name for f in fields(cls)}, src)
-        q_rank = None if data.get("q_lora_rank") is None else _pos_int(data, "q_lora_rank", src)
+        check_keys(data, {f.name for f in fields(cls)}, src)
+        q_rank = None if data.get("q_lora_rank") is None else pos_int(data, "q_lora_rank", src)
         return cls(
             q_lora_rank=q_rank,
-            kv_lora_rank=_pos_int(data, "kv_lora_rank", src),
-            qk_nope_head_dim=_pos_int(data, "qk_nope_head_dim", src),
-            qk_rope_head_dim=_pos_int(data, "qk_rope_head_dim", src),
-            v_head_dim=_pos_int(data, "v_head_dim", src),
+            kv_lora_rank=pos_int(data, "kv_lora_rank", src),
+            qk_nope_head_dim=pos_int(data, "qk_nope_head_dim", src),
+            qk_rope_head_dim=pos_int(data, "qk_rope_head_dim", src),
+            v_head_dim=pos_int(data, "v_head_dim", src),
         )
 
 
@@ -306,13 +239,13 @@ class MoeSpec:
         :param source: file name used in error messages.
         """
         src = f"{source} (moe)"
-        _check_keys(data, {f.name for f in fields(cls)}, src)
+        check_keys(data, {f.name for f in fields(cls)}, src)
         spec = cls(
-            num_experts=_pos_int(data, "num_experts", src),
-            experts_per_token=_pos_int(data, "experts_per_token", src),
-            num_shared_experts=_pos_int(data, "num_shared_experts", src, 0, allow_zero=True),
-            expert_intermediate_size=_pos_int(data, "expert_intermediate_size", src),
-            first_dense_layers=_pos_int(data, "first_dense_layers", src, 0, allow_zero=True),
+            num_experts=pos_int(data, "num_experts", src),
+            experts_per_token=pos_int(data, "experts_per_token", src),
+            num_shared_experts=pos_int(data, "num_shared_experts", src, 0, allow_zero=True),
+            expert_intermediate_size=pos_int(data, "expert_intermediate_size", src),
+            first_dense_layers=pos_int(data, "first_dense_layers", src, 0, allow_zero=True),
         )
         if spec.experts_per_token > spec.num_experts:
             raise ProfileError(f"{src}: field 'experts_per_token' ({spec.experts_per_token}) "
@@ -370,26 +303,26 @@ class ModelSpec:
         :param source: file name used in error messages.
         :param default_name: name used when the file has no ``"name"`` field.
         """
-        _check_keys(data, {f.name for f in fields(cls)}, source)
-        mla = _section(data, "mla", source)
-        moe = _section(data, "moe", source)
+        check_keys(data, {f.name for f in fields(cls)}, source)
+        mla = get_section(data, "mla", source)
+        moe = get_section(data, "moe", source)
         gpu = data.get("default_gpu")
         description = data.get("description", "")
         spec = cls(
-            name=_str(data, "name", source, default_name),
-            num_layers=_pos_int(data, "num_layers", source),
-            hidden_size=_pos_int(data, "hidden_size", source),
-            num_heads=_pos_int(data, "num_heads", source),
-            num_kv_heads=_pos_int(data, "num_kv_heads", source),
-            head_dim=_pos_int(data, "head_dim", source),
-            intermediate_size=_pos_int(data, "intermediate_size", source),
-            vocab_size=_pos_int(data, "vocab_size", source),
-            gated_mlp=_bool(data, "gated_mlp", source),
-            max_model_len=_pos_int(data, "max_model_len", source),
-            default_tp=_pos_int(data, "default_tp", source, 1),
-            default_gpu=None if gpu is None else _str(data, "default_gpu", source),
-            tie_word_embeddings=_bool(data, "tie_word_embeddings", source, False),
-            weight_bytes_per_param=_pos_float(data, "weight_bytes_per_param", source, 2.0),
+            name=get_str(data, "name", source, default_name),
+            num_layers=pos_int(data, "num_layers", source),
+            hidden_size=pos_int(data, "hidden_size", source),
+            num_heads=pos_int(data, "num_heads", source),
+            num_kv_heads=pos_int(data, "num_kv_heads", source),
+            head_dim=pos_int(data, "head_dim", source),
+            intermediate_size=pos_int(data, "intermediate_size", source),
+            vocab_size=pos_int(data, "vocab_size", source),
+            gated_mlp=get_bool(data, "gated_mlp", source),
+            max_model_len=pos_int(data, "max_model_len", source),
+            default_tp=pos_int(data, "default_tp", source, 1),
+            default_gpu=None if gpu is None else get_str(data, "default_gpu", source),
+            tie_word_embeddings=get_bool(data, "tie_word_embeddings", source, False),
+            weight_bytes_per_param=pos_float(data, "weight_bytes_per_param", source, 2.0),
             mla=None if mla is None else MlaSpec.from_dict(mla, source),
             moe=None if moe is None else MoeSpec.from_dict(moe, source),
             description=description if isinstance(description, str) else "",

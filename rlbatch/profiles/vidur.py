@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from rlbatch.profiles.roofline import ACTIVATION_BYTES, dense_linear_shapes, linear_op_time_s
 from rlbatch.profiles.specs import GpuSpec, ProfileError
-from rlbatch.profiles.step_time import ACTIVATION_BYTES, dense_linear_shapes, linear_op_time_s
 
 __all__ = [
     "ELEMENTWISE_OPS",

@@ -1,14 +1,20 @@
-"""Admission control: per-bucket FIFO queues in front of the engines.
+"""Admission control: per-bucket FIFO queues, caps, queue bounds and pool routing.
 
 A request waits in its bucket's queue until an engine of the bucket's pool holds fewer of
 that bucket's requests than the bucket's cap; admission runs at every engine iteration (as
 vLLM's scheduler admits at every step), so a finished request frees its slot at once.
-Buckets without a cap (``None``) pass straight through to the engine's own FIFO queue.
+Buckets without a cap (``None``) pass straight through to the least-loaded engine's own FIFO
+queue; their queue bound counts the bucket's requests waiting inside the pool's engines.
+
+Every arrival and every refusal is counted here, including refusals decided by the caller
+(:meth:`Admission.refuse`: the sidecar refuses when no upstream of the pool is reachable), so
+a tick's arrivals and rejections come from one set of counters.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Literal
 
@@ -19,6 +25,7 @@ from rlbatch.engine.stats import FinishedRequest
 from rlbatch.request import Request
 
 OverLengthPolicy = Literal["reject", "truncate"]
+RejectReason = Literal["too_long", "queue_full", "unavailable"]
 
 
 @dataclass(frozen=True)
@@ -29,7 +36,8 @@ class AdmissionConfig:
         ``reject`` (vLLM's behaviour, counted) or ``truncate`` (keep the prompt's last tokens
         so it fits, counted).
     :param max_queue_len: per-bucket queue bound; a request arriving at a full queue is
-        rejected (counted). ``None`` = unbounded.
+        rejected (counted). For a bucket without a cap the bound counts that bucket's
+        requests waiting inside its pool's engines. ``None`` = unbounded.
     """
 
     over_length: OverLengthPolicy = "reject"
@@ -41,6 +49,60 @@ class AdmissionConfig:
                              f"{self.over_length!r}")
         if self.max_queue_len is not None and self.max_queue_len < 1:
             raise ValueError(f"max_queue_len must be >= 1 or None, got {self.max_queue_len}")
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    """The request waits in its bucket's admission queue.
+
+    :param bucket: its bucket.
+    """
+
+    bucket: int
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """The request went straight into an engine (its bucket has no cap).
+
+    :param bucket: its bucket.
+    :param engine_id: the engine that holds it.
+    """
+
+    bucket: int
+    engine_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """The request was refused; it left as a ``FinishedRequest(rejected=True)`` record.
+
+    :param bucket: its bucket.
+    :param reason: ``too_long`` (over ``max_model_len`` under the ``reject`` policy),
+        ``queue_full`` (the bucket's queue bound), ``unavailable`` (refused by the caller).
+    """
+
+    bucket: int
+    reason: RejectReason
+
+
+Outcome = Queued | Admitted | Rejected
+
+
+@dataclass(frozen=True)
+class TickCounters:
+    """What admission counted since the previous :meth:`Admission.take_counters`.
+
+    :param arrived: per bucket, arrivals (refused ones included).
+    :param rejected: per bucket, refusals.
+    :param cancelled: per bucket, queued requests withdrawn by :meth:`Admission.cancel`.
+    :param kv_budget_blocked: the KV budget held a request back.
+    """
+
+    arrived: tuple[int, ...]
+    rejected: tuple[int, ...]
+    cancelled: tuple[int, ...]
+    kv_budget_blocked: bool
 
 
 class Admission:
@@ -70,9 +132,13 @@ class Admission:
         self.rejected: list[FinishedRequest] = []
         self.arrived_in_tick = [0] * n
         self.rejected_in_tick = [0] * n
+        self.cancelled_in_tick = [0] * n
 
     def apply(self, action: ControlAction) -> None:
-        """Put a (guarded) action in force."""
+        """Put a (guarded) action in force.
+
+        :param action: caps, routes, KV budget and engine-wide cap.
+        """
         if len(action.caps) != len(self.buckets):
             raise ValueError(f"action has {len(action.caps)} caps, deployment has "
                              f"{len(self.buckets)} buckets")
@@ -87,8 +153,18 @@ class Admission:
             for eng in self.engines:
                 eng.set_max_num_seqs(action.max_num_seqs)
 
-    def submit(self, request: Request) -> None:
-        """A request arrives: bucket it, apply the length policy, queue it (or pass it on)."""
+    def bucket_of(self, request: Request) -> int:
+        """The bucket of ``request`` (by its prompt length)."""
+        return self.buckets.index(request.prompt_tokens)
+
+    def submit(self, request: Request) -> Outcome:
+        """A request arrives: bucket it, apply the length policy and the queue bound, then
+        queue it (capped bucket) or hand it to the least-loaded engine of its pool.
+
+        :param request: the arrival.
+        :returns: :class:`Queued`, :class:`Admitted` or :class:`Rejected` (counted and
+            recorded in :attr:`rejected`).
+        """
         bucket = self.buckets.index(request.prompt_tokens)
         self.arrived_in_tick[bucket] += 1
         prompt = request.prompt_tokens
@@ -96,25 +172,58 @@ class Admission:
         if prompt + request.max_output_tokens > self.max_model_len:
             room = self.max_model_len - request.max_output_tokens
             if self.config.over_length == "reject" or room < 1:
-                self._reject(request, bucket)
-                return
+                return self._reject(request, bucket, "too_long")
             prompt, truncated = room, True
-        queue = self.queues[bucket]
+        bound = self.config.max_queue_len
         if self.caps[bucket] is None:
-            self._least_loaded(self.routes[bucket]).add_request(request, bucket, prompt,
-                                                                truncated)
-            return
-        if self.config.max_queue_len is not None and len(queue) >= self.config.max_queue_len:
-            self._reject(request, bucket)
-            return
+            pool = self.routes[bucket]
+            if bound is not None and sum(
+                    e.num_waiting(bucket) for e in self.pools[pool]) >= bound:
+                return self._reject(request, bucket, "queue_full")
+            engine = self._least_loaded(pool)
+            engine.add_request(request, bucket, prompt, truncated)
+            return Admitted(bucket, engine.engine_id)
+        queue = self.queues[bucket]
+        if bound is not None and len(queue) >= bound:
+            return self._reject(request, bucket, "queue_full")
         queue.append((request, prompt, truncated))
+        return Queued(bucket)
+
+    def refuse(self, request: Request, reason: RejectReason = "unavailable") -> Rejected:
+        """Count and record a refusal decided outside admission (e.g. no reachable engine
+        in the request's pool).
+
+        :param request: the arrival.
+        :param reason: why it was refused.
+        """
+        bucket = self.buckets.index(request.prompt_tokens)
+        self.arrived_in_tick[bucket] += 1
+        return self._reject(request, bucket, reason)
+
+    def cancel(self, request_id: int) -> bool:
+        """Withdraw a queued request (client gone, queue timeout); counted per bucket.
+
+        :param request_id: the request's id.
+        :returns: whether it was queued (a request already inside an engine is the engine's
+            to release).
+        """
+        for bucket, queue in enumerate(self.queues):
+            for item in queue:
+                if item[0].request_id == request_id:
+                    queue.remove(item)
+                    self.cancelled_in_tick[bucket] += 1
+                    return True
+        return False
 
     def admit(self, engine: Engine) -> int:
         """Move queued requests into ``engine`` while their buckets are under cap (oldest
         head first across buckets) and, with a KV budget in force, while the committed KV
         stays within it. Under the budget admission is FIFO across buckets: when the oldest
         eligible request does not fit, nothing younger overtakes it (no bucket starves).
-        Returns the number admitted."""
+
+        :param engine: an engine of this deployment.
+        :returns: the number admitted.
+        """
         admitted = 0
         queues = self.queues
         caps = self.caps
@@ -146,26 +255,71 @@ class Admission:
             engine.add_request(request, best, prompt, truncated)
             admitted += 1
 
+    def admit_pool(self, pool: str, exclude: Collection[int] = ()) -> int:
+        """Admit into every engine of ``pool``, least loaded first.
+
+        :param pool: the pool.
+        :param exclude: engine ids to skip (e.g. unreachable ones).
+        :returns: the number admitted.
+        """
+        engines = [e for e in self.pools[pool] if e.engine_id not in exclude]
+        if len(engines) > 1:
+            engines.sort(key=lambda e: (e.num_unfinished_total(), e.engine_id))
+        return sum(self.admit(e) for e in engines)
+
+    def least_loaded(self, pool: str, *, bucket: int | None = None,
+                     exclude: Collection[int] = ()) -> Engine | None:
+        """The engine of ``pool`` holding the fewest requests (ties: lowest id).
+
+        :param pool: the pool.
+        :param bucket: only engines with room for this bucket under its cap in force.
+        :param exclude: engine ids to skip.
+        :returns: the engine, or ``None`` when none qualifies.
+        """
+        cap = None if bucket is None else self.caps[bucket]
+        candidates = [e for e in self.pools[pool] if e.engine_id not in exclude
+                      and (cap is None or bucket is None or e.num_unfinished(bucket) < cap)]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda e: (e.num_unfinished_total(), e.engine_id))
+
     def queued(self) -> tuple[int, ...]:
+        """Per bucket, requests in the admission queue."""
         return tuple(len(q) for q in self.queues)
 
     def oldest_wait_s(self, now_s: float) -> tuple[float, ...]:
-        """Per bucket, how long the head of the queue has waited at ``now_s``."""
+        """Per bucket, how long the head of the queue has waited at ``now_s``.
+
+        :param now_s: the time.
+        """
         return tuple(max(0.0, now_s - q[0][0].arrival_s) if q else 0.0 for q in self.queues)
 
     def num_queued(self) -> int:
+        """Requests in all admission queues."""
         return sum(len(q) for q in self.queues)
 
-    def take_tick_counters(self) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
-        """Arrivals and rejections per bucket since the last call, and whether the KV budget
-        held a request back."""
-        out = (tuple(self.arrived_in_tick), tuple(self.rejected_in_tick),
-               self.budget_blocked_in_tick)
+    def take_rejected(self) -> list[FinishedRequest]:
+        """The refusal records since the previous call (then forgotten)."""
+        out = self.rejected
+        self.rejected = []
+        return out
+
+    def take_counters(self) -> TickCounters:
+        """The counters since the previous call (then reset)."""
+        out = TickCounters(tuple(self.arrived_in_tick), tuple(self.rejected_in_tick),
+                           tuple(self.cancelled_in_tick), self.budget_blocked_in_tick)
         n = len(self.buckets)
         self.arrived_in_tick = [0] * n
         self.rejected_in_tick = [0] * n
+        self.cancelled_in_tick = [0] * n
         self.budget_blocked_in_tick = False
         return out
+
+    def take_tick_counters(self) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
+        """Arrivals and rejections per bucket since the last call, and whether the KV budget
+        held a request back (the older form of :meth:`take_counters`)."""
+        c = self.take_counters()
+        return c.arrived, c.rejected, c.kv_budget_blocked
 
     def _least_loaded(self, pool: str) -> Engine:
         engines = self.pools[pool]
@@ -173,10 +327,11 @@ class Admission:
             return engines[0]
         return min(engines, key=lambda e: (e.num_unfinished_total(), e.engine_id))
 
-    def _reject(self, request: Request, bucket: int) -> None:
+    def _reject(self, request: Request, bucket: int, reason: RejectReason) -> Rejected:
         self.rejected_in_tick[bucket] += 1
         nan = float("nan")
         self.rejected.append(FinishedRequest(
             request_id=request.request_id, bucket=bucket, pool="",
             arrival_s=request.arrival_s, prompt_tokens=request.prompt_tokens, output_tokens=0,
             ttft_s=nan, tpot_s=nan, e2e_s=nan, finish_s=request.arrival_s, rejected=True))
+        return Rejected(bucket, reason)

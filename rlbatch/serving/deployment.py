@@ -10,37 +10,10 @@ from dataclasses import dataclass, field
 from rlbatch.buckets import Buckets
 from rlbatch.control.types import SLA, ControlAction, DeploymentInfo
 from rlbatch.engine.base import Engine
-from rlbatch.engine.config import PRECISIONS, EngineConfig, Precision, vllm_default_budgets
-from rlbatch.engine.sim import SimEngine
+from rlbatch.engine.config import PRECISIONS
 from rlbatch.engine.stats import EngineStats
-from rlbatch.profiles import RooflineStepTimeModel, load_gpu, load_model
 from rlbatch.request import Request
 from rlbatch.serving.admission import Admission, AdmissionConfig
-
-
-def parse_pools(text: str) -> dict[str, int]:
-    """Parse ``"fp16"`` / ``"fp16:2,fp8:1"`` into ``{pool: number of engines}``."""
-    pools: dict[str, int] = {}
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        name, _, count = part.partition(":")
-        if name not in PRECISIONS:
-            raise ValueError(f"unknown pool {name!r} in {text!r}; pools are {PRECISIONS}")
-        try:
-            n = int(count) if count else 1
-        except ValueError:
-            raise ValueError(f"pool {name!r}: engine count must be an integer, got "
-                             f"{count!r}") from None
-        if n < 1:
-            raise ValueError(f"pool {name!r}: engine count must be >= 1, got {n}")
-        if name in pools:
-            raise ValueError(f"pool {name!r} given twice in {text!r}")
-        pools[name] = n
-    if not pools:
-        raise ValueError(f"no pool in {text!r}; e.g. fp16 or fp16:1,fp8:1")
-    return pools
 
 
 @dataclass(frozen=True)
@@ -103,7 +76,7 @@ class DeploymentSpec:
 class Deployment:
     """Engines of one or more pools, the admission layer, and the arrival stream.
 
-    Built by :func:`build_deployment`; the constructor does no I/O.
+    Built by :func:`rlbatch.serving.builders.build_deployment`; the constructor does no I/O.
 
     :param engines: the engines (ids 0..n-1).
     :param admission: the admission layer over those engines.
@@ -183,6 +156,36 @@ class Deployment:
                 close()
 
 
+def describe_deployment(*, pools: dict[str, int], num_kv_blocks: dict[str, int],
+                        buckets: Buckets, gpu: str, model: str, max_model_len: int,
+                        block_size: int, default_max_num_seqs: int,
+                        max_num_batched_tokens: int, tick_s: float = 1.0,
+                        sla: SLA | None = None, cold_start: bool = False) -> DeploymentInfo:
+    """What controllers are told about a deployment: the one place a DeploymentInfo is made
+    (:func:`assemble_deployment` for engines in this process, the sidecar for upstream
+    servers, whose pools and KV sizes it learns from their metrics).
+
+    :param pools: engines per pool.
+    :param num_kv_blocks: KV blocks per engine of each pool.
+    :param buckets: prompt-length buckets.
+    :param gpu: device name for reports.
+    :param model: model name for reports.
+    :param max_model_len: longest sequence admitted.
+    :param block_size: tokens per KV block.
+    :param default_max_num_seqs: the engines' configured ``max_num_seqs``.
+    :param max_num_batched_tokens: the engines' token budget per iteration.
+    :param tick_s: control interval.
+    :param sla: the SLA (default: DESIGN.md's).
+    :param cold_start: the engines have just started (the guard's warm-up applies).
+    """
+    return DeploymentInfo(
+        buckets=buckets, pools=pools, gpu=gpu, model=model,
+        default_max_num_seqs=default_max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, num_kv_blocks=num_kv_blocks,
+        block_size=block_size, max_model_len=max_model_len, tick_s=tick_s,
+        sla=sla or SLA(), cold_start=cold_start)
+
+
 def assemble_deployment(
     engines: Sequence[Engine],
     *,
@@ -217,62 +220,11 @@ def assemble_deployment(
     pools: dict[str, int] = {}
     for eng in engines:
         pools[eng.pool] = pools.get(eng.pool, 0) + 1
-    info = DeploymentInfo(
+    info = describe_deployment(
         buckets=buckets, pools=pools, gpu=gpu, model=model,
         default_max_num_seqs=default_max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         num_kv_blocks={e.pool: e.kv_capacity_tokens // block_size for e in engines},
         block_size=block_size, max_model_len=max_model_len, tick_s=tick_s,
-        sla=sla or SLA(), cold_start=cold_start)
+        sla=sla, cold_start=cold_start)
     return Deployment(engines, Admission(list(engines), buckets, max_model_len, admission), info)
-
-
-def build_deployment(spec: DeploymentSpec) -> Deployment:
-    """Build the engines ``spec`` names: simulated (roofline or calibrated profile) or live
-    vLLM."""
-    if spec.engine == "vllm":
-        from rlbatch.engine.vllm_engine import build_live_deployment
-
-        live: Deployment = build_live_deployment(spec)
-        return live
-    if spec.profile is not None:
-        from rlbatch.tools.calibrate import build_profile_deployment
-
-        calibrated: Deployment = build_profile_deployment(spec)
-        return calibrated
-    gpu = load_gpu(spec.gpu)
-    model = load_model(spec.model)
-    default_seqs, default_tokens = vllm_default_budgets(gpu.name)
-    max_num_seqs = spec.max_num_seqs or default_seqs
-    max_tokens = spec.max_num_batched_tokens or default_tokens
-    max_model_len = spec.max_model_len or model.max_model_len
-    if max_model_len > model.max_model_len:
-        raise ValueError(f"max_model_len {max_model_len} exceeds {model.name}'s context "
-                         f"{model.max_model_len}")
-    engines: list[Engine] = []
-    for pool, count in spec.pools.items():
-        precision: Precision = "fp8" if pool == "fp8" else "fp16"
-        config = EngineConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_tokens,
-            gpu_memory_utilization=spec.gpu_memory_utilization,
-            precision=precision,
-            max_model_len=max_model_len,
-            num_kv_blocks_override=spec.num_kv_blocks,
-        )
-        step_model = RooflineStepTimeModel(gpu, model, precision=precision, tp=spec.tp,
-                                           max_num_batched_tokens=max_tokens,
-                                           max_num_seqs=max_num_seqs)
-        blocks = config.num_kv_blocks_override or step_model.kv_capacity_blocks(
-            spec.gpu_memory_utilization, config.block_size)
-        for _ in range(count):
-            engines.append(SimEngine(
-                engine_id=len(engines), pool=pool, config=config, step_model=step_model,
-                num_kv_blocks=blocks, max_model_len=max_model_len,
-                gpu_memory_total_bytes=gpu.memory_bytes, num_buckets=len(spec.buckets),
-                event_skipping=spec.event_skipping))
-    return assemble_deployment(
-        engines, buckets=spec.buckets, admission=spec.admission, gpu=gpu.name,
-        model=model.name, max_model_len=max_model_len, block_size=EngineConfig.block_size,
-        default_max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
-        tick_s=spec.tick_s, sla=spec.sla, cold_start=spec.cold_start)

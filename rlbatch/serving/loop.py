@@ -1,88 +1,184 @@
-"""The control loop shared by evaluation runs, the Gymnasium env and (later) the sidecar.
+"""The one control loop: turns a serving source into one DeploymentStats per tick.
 
-One ``tick()`` advances the deployment by one control interval under the action in force and
-returns the tick's DeploymentStats; the caller decides the next action and ``apply()``s it.
+Evaluation runs, the Gymnasium env, fidelity and calibration replays and the sidecar all tick
+a :class:`ControlLoop`; nothing else builds :class:`~rlbatch.control.types.DeploymentStats`.
+A source is anything that serves requests behind an :class:`~rlbatch.serving.admission.
+Admission` (:class:`ServingSource`): a simulated or live :class:`~rlbatch.serving.deployment.
+Deployment` replaying a request stream, or the sidecar's HTTP upstreams, whose requests
+arrive by themselves. One ``tick()`` advances the source by one control interval under the
+action in force and returns the tick's stats; the caller decides the next action and
+``apply()``s it.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
 
-from rlbatch.control.types import ControlAction, DeploymentStats
-from rlbatch.engine.stats import FinishedRequest
+from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats
+from rlbatch.engine.stats import EngineStats, FinishedRequest
 from rlbatch.request import Request
-from rlbatch.serving.deployment import Deployment
+from rlbatch.serving.admission import Admission
 from rlbatch.serving.metrics import RunTotals, SlidingWindow, summarize
+
+MIN_INTERVAL_S = 1e-6
+"""Shortest interval a wall-clock tick reports (rates divide by it)."""
+
+
+class ServingSource(Protocol):
+    """What the control loop needs of whatever serves the requests.
+
+    ``info`` and ``admission`` are attributes; ``run_until`` advances engine time (a no-op
+    where real time passes by itself); ``snapshot`` returns one EngineStats per engine
+    (interval counters since the previous call); ``done`` says nothing is left to serve;
+    ``unfinished`` counts requests queued or inside engines.
+    """
+
+    info: DeploymentInfo
+    admission: Admission
+
+    def apply(self, action: ControlAction) -> None: ...
+
+    def run_until(self, t_s: float) -> None: ...
+
+    def snapshot(self) -> tuple[EngineStats, ...]: ...
+
+    def done(self) -> bool: ...
+
+    def unfinished(self) -> int: ...
+
+
+@runtime_checkable
+class ReplaySource(ServingSource, Protocol):
+    """A source that replays a preloaded, time-sorted request stream (the simulator, live
+    in-process engines)."""
+
+    def load(self, requests: Sequence[Request]) -> None: ...
+
+    @property
+    def last_arrival_s(self) -> float: ...
 
 
 class ControlLoop:
-    """Ticks a deployment over a stream of requests.
+    """Ticks a serving source; the only builder of DeploymentStats and the run's one
+    accumulator of EngineStats (:class:`~rlbatch.serving.metrics.RunTotals`).
 
-    :param deployment: a freshly built deployment.
-    :param requests: arrivals, sorted by time.
+    :param source: a fresh source (a :class:`ReplaySource` when ``requests`` is given).
+    :param requests: arrivals sorted by time, replayed by the source; ``None`` when requests
+        reach admission by themselves (the sidecar's handlers submit them).
     :param initial_action: the action in force until the first decision.
     :param window_s: sliding window of the latency percentiles in the stats.
-    :param drain_s: how long after the last arrival the run may go on.
+    :param drain_s: how long after the last arrival a replay may go on.
+    :param keep_records: keep every finished and rejected request for :meth:`summary`
+        (``False`` for a service that runs for days: only the totals are kept).
     """
 
-    def __init__(self, deployment: Deployment, requests: list[Request],
+    def __init__(self, source: ServingSource, requests: Sequence[Request] | None,
                  initial_action: ControlAction, *, window_s: float = 30.0,
-                 drain_s: float = 600.0) -> None:
-        self.deployment = deployment
-        self.info = deployment.info
+                 drain_s: float = 600.0, keep_records: bool = True) -> None:
+        self.source = source
+        self.info = source.info
         self.tick_s = self.info.tick_s
         self.window = SlidingWindow(self.info.buckets, self.info.sla, window_s)
         self.totals = RunTotals()
+        self.keep_records = keep_records
         self.records: list[FinishedRequest] = []
-        self.submitted = len(requests)
-        deployment.load(requests)
+        self.arrived_total = 0
+        self.rejected_total = 0
+        self.cancelled_total = 0
+        self.last_arrival_s = 0.0
+        self.deadline_s = math.inf
+        self._replay = requests is not None
+        if requests is not None:
+            if not isinstance(source, ReplaySource):
+                raise TypeError(f"{type(source).__name__} cannot replay a request stream "
+                                f"(no load / last_arrival_s)")
+            source.load(requests)
+            self.last_arrival_s = source.last_arrival_s
+            self.deadline_s = self.last_arrival_s + drain_s
+        self.submitted_planned = len(requests) if requests is not None else 0
         self.action = initial_action
-        deployment.apply(initial_action)
-        self.deadline_s = deployment.last_arrival_s + drain_s
+        source.apply(initial_action)
         self.ticks = 0
         self.time_s = 0.0
 
-    def apply(self, action: ControlAction) -> None:
-        """Put ``action`` in force from now on."""
-        self.action = action
-        self.deployment.apply(action)
+    @property
+    def deployment(self) -> ServingSource:
+        """The source (the name callers used when it was always a Deployment)."""
+        return self.source
 
-    def tick(self) -> DeploymentStats:
-        """Advance one control interval; return its stats."""
+    @property
+    def submitted(self) -> int:
+        """Requests in the replayed stream, or arrivals counted so far without one."""
+        return self.submitted_planned if self._replay else self.arrived_total
+
+    def apply(self, action: ControlAction, *, enforce: bool = True) -> None:
+        """Make ``action`` the one reported in the stats from now on.
+
+        :param action: the (guarded) action.
+        :param enforce: put it in force on the source; ``False`` only records it (the
+            sidecar's shadow mode decides but never acts).
+        """
+        self.action = action
+        if enforce:
+            self.source.apply(action)
+
+    def tick(self, now_s: float | None = None) -> DeploymentStats:
+        """Advance one control interval; return its stats.
+
+        :param now_s: the tick time; ``None`` = the next multiple of ``tick_s`` (engine
+            time). A wall-clock source passes its clock; the interval is then the time since
+            the previous tick (``tick_s`` for the first).
+        """
         self.ticks += 1
-        t = self.ticks * self.tick_s
+        if now_s is None:
+            t = self.ticks * self.tick_s
+            interval = self.tick_s
+        else:
+            t = now_s
+            interval = max(t - self.time_s, MIN_INTERVAL_S) if self.ticks > 1 else self.tick_s
         self.time_s = t
-        deployment = self.deployment
-        deployment.run_until(t)
-        engine_stats = deployment.snapshot()
+        source = self.source
+        source.run_until(t)
+        engine_stats = source.snapshot()
+        keep = self.keep_records
         for es in engine_stats:
             self.totals.add(es)
             if es.finished:
-                self.records.extend(es.finished)
+                if keep:
+                    self.records.extend(es.finished)
                 self.window.add(es.finished)
-        admission = deployment.admission
-        if admission.rejected:
-            self.records.extend(admission.rejected)
-            admission.rejected.clear()
-        arrived, rejected, budget_blocked = admission.take_tick_counters()
+        admission = source.admission
+        rejected_records = admission.take_rejected()
+        if keep and rejected_records:
+            self.records.extend(rejected_records)
+        counters = admission.take_counters()
+        self.arrived_total += sum(counters.arrived)
+        self.rejected_total += sum(counters.rejected)
+        self.cancelled_total += sum(counters.cancelled)
         return DeploymentStats(
-            time_s=t, tick_s=self.tick_s, engines=engine_stats, queued=admission.queued(),
-            arrived=arrived, rejected=rejected, window=self.window.stats(t),
-            action=self.action, kv_budget_blocked=budget_blocked,
+            time_s=t, tick_s=interval, engines=engine_stats, queued=admission.queued(),
+            arrived=counters.arrived, rejected=counters.rejected, window=self.window.stats(t),
+            action=self.action, kv_budget_blocked=counters.kv_budget_blocked,
             oldest_wait_s=admission.oldest_wait_s(t))
 
     @property
     def finished(self) -> bool:
         """Every request finished or rejected, or the drain deadline passed."""
-        return self.deployment.done() or self.time_s >= self.deadline_s
+        return self.source.done() or self.time_s >= self.deadline_s
 
     def summary(self) -> dict[str, Any]:
-        """Metric fields of the run so far (see :func:`rlbatch.serving.metrics.summarize`)."""
+        """Metric fields of the run so far (see :func:`rlbatch.serving.metrics.summarize`).
+
+        :raises ValueError: the loop does not keep records.
+        """
+        if not self.keep_records:
+            raise ValueError("summary() needs keep_records=True")
         makespan = max((r.finish_s for r in self.records), default=0.0)
-        makespan = max(makespan, self.deployment.last_arrival_s)
+        makespan = max(makespan, self.last_arrival_s)
         row = summarize(self.records, self.info.buckets, self.info.sla,
                         makespan if makespan > 0 else math.nan, self.totals,
-                        submitted=self.submitted, unfinished=self.deployment.unfinished())
+                        submitted=self.submitted, unfinished=self.source.unfinished())
         row["sim_seconds"] = makespan
         return row

@@ -10,7 +10,8 @@ from typing import Any
 from rlbatch.control.controllers import Controller
 from rlbatch.control.types import DeploymentStats
 from rlbatch.engine.stats import FinishedRequest
-from rlbatch.serving.deployment import DeploymentSpec, build_deployment
+from rlbatch.serving.builders import build_deployment
+from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.serving.loop import ControlLoop
 from rlbatch.workload import Workload
 

@@ -2,7 +2,7 @@
 applies a controller's per-bucket batch caps and pool routing (see ``docs/sidecar.md``)."""
 
 from rlbatch.sidecar.app import SIDECAR, create_app, serve
-from rlbatch.sidecar.core import Sidecar
+from rlbatch.sidecar.service import Sidecar
 from rlbatch.sidecar.settings import SidecarSettings, UpstreamSpec
 
 __all__ = ["SIDECAR", "Sidecar", "SidecarSettings", "UpstreamSpec", "create_app", "serve"]

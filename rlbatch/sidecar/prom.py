@@ -1,14 +1,44 @@
-"""The sidecar's own Prometheus metrics, vLLM-style names under ``rlbatch:``.
+"""The sidecar's Prometheus metrics: the snapshot table's, its control state, its HTTP path.
 
 Each app owns its registry (no process-global collectors, so several sidecars can live in
-one process). Per-request series are resolved to their label children once, when the app is
-built, so the request path only calls ``inc()`` / ``observe()``. Gauges that mirror live
-state (caps, queues, upstream health) are read when ``/metrics`` is scraped, by a collector
-callback, and cost the request path nothing.
+one process). Three kinds of series:
+
+* **The tick's snapshot**, named by :data:`rlbatch.control.stats_metrics.METRICS` (the names
+  training's TensorBoard uses too): gauges are read from the last tick's
+  :class:`~rlbatch.control.types.DeploymentStats` when ``/metrics`` is scraped; counters
+  (arrivals, rejections, finished, preemptions, KV overflows, guard overrides) add the tick's
+  increments at each tick. The table's ``batch_cap`` / ``pool_index`` are not exported: the
+  control-state families below say more under the same name (per bucket *and* pool, in force
+  *and* decided).
+* **Control state** read at scrape time: the action in force and the last decision, upstream
+  health, shadow mode, the controller in charge.
+* **The HTTP path**, counted by the handlers: per-request series are resolved to their label
+  children once, when the app is built, so the request path only calls ``inc()`` /
+  ``observe()``.
 
 ================================================  =========  ============================
 name                                              type       labels
 ================================================  =========  ============================
+``rlbatch:queue_length``                          gauge      bucket
+``rlbatch:oldest_wait_seconds``                   gauge      bucket
+``rlbatch:arrivals_total``                        counter    bucket
+``rlbatch:rejections_total``                      counter    bucket
+``rlbatch:finished_total``                        counter
+``rlbatch:ttft_p99_seconds``, ``tpot_p99_seconds``  gauge    bucket (sliding window)
+``rlbatch:{ttft,tpot,e2e}_p99_all_seconds``       gauge      (sliding window)
+``rlbatch:sla_attainment``                        gauge      (sliding window)
+``rlbatch:requests_running``                      gauge      bucket
+``rlbatch:requests_waiting``                      gauge      bucket (in the sidecar's
+                                                             engine-wide FIFO)
+``rlbatch:kv_cache_usage``                        gauge      pool (max over its upstreams)
+``rlbatch:kv_committed``, ``gpu_memory_used``     gauge
+``rlbatch:max_num_seqs``                          gauge      pool (engine-wide cap applied)
+``rlbatch:throughput_tok_s``                      gauge
+``rlbatch:batch_efficiency``                      gauge      (NaN behind vLLM: not exported)
+``rlbatch:preemptions_total``                     counter
+``rlbatch:kv_overflows_total``                    counter
+``rlbatch:kv_budget_blocked``                     gauge
+``rlbatch:guard_overrides_total``                 counter    rule
 ``rlbatch:batch_cap``                             gauge      bucket, pool (cap in force;
                                                              0 = bucket not routed there;
                                                              +Inf = no cap)
@@ -16,16 +46,9 @@ name                                              type       labels
                                                              last decision; differs from
                                                              the cap in force in shadow
                                                              mode and on fallback ticks)
-``rlbatch:queue_length``                          gauge      bucket
-``rlbatch:requests_running``                      gauge      bucket, pool
-``rlbatch:requests_waiting``                      gauge      bucket, pool (in the
-                                                             sidecar's engine-wide FIFO)
 ``rlbatch:upstream_up``                           gauge      upstream, pool
-``rlbatch:upstream_kv_cache_usage``               gauge      upstream
-``rlbatch:max_num_seqs``                          gauge      upstream
 ``rlbatch:shadow_mode``                           gauge
 ``rlbatch:controller_info``                       gauge      controller
-``rlbatch:guard_overrides_total``                 counter    rule
 ``rlbatch:decision_seconds``                      histogram
 ``rlbatch:tick_seconds``                          histogram  (scrape + stats + decide + apply)
 ``rlbatch:control_ticks_total``                   counter
@@ -44,13 +67,16 @@ name                                              type       labels
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from rlbatch.control.guard import RULES
+from rlbatch.control.stats_metrics import METRICS, MetricContext, StatMetric
+from rlbatch.control.types import ControlAction, DeploymentStats
 
 OUTCOMES: tuple[str, ...] = ("ok", "rejected_queue_full", "rejected_too_long",
                              "queue_timeout", "upstream_error", "upstream_client_error",
@@ -62,6 +88,9 @@ LATENCY_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 FAST_BUCKETS: tuple[float, ...] = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
                                    1e-2, 2.5e-2, 5e-2, 0.1, 0.25)
 
+NOT_EXPORTED: frozenset[str] = frozenset({"batch_cap", "pool_index"})
+"""Table metrics the sidecar exports as control state instead (see the module docstring)."""
+
 
 class _Live(Collector):
     def __init__(self, collect: Callable[[], Iterable[Metric]]) -> None:
@@ -71,24 +100,124 @@ class _Live(Collector):
         yield from self._collect()
 
 
+class SnapshotMetrics:
+    """The snapshot table's series: counters advanced every tick, gauges read from the last
+    tick's stats at scrape time.
+
+    :param registry: the sidecar's registry.
+    :param ctx: bucket and pool names.
+    """
+
+    def __init__(self, registry: CollectorRegistry, ctx: MetricContext) -> None:
+        self.ctx = ctx
+        exported = [m for m in METRICS if m.name not in NOT_EXPORTED]
+        self._gauges = [m for m in exported if m.kind == "gauge"]
+        self._counters: list[tuple[StatMetric, list[Counter]]] = []
+        for m in exported:
+            if m.kind != "counter":
+                continue
+            if m.label == "none":
+                counter = Counter(m.prom_name, m.help, registry=registry)
+                self._counters.append((m, [counter]))
+            else:
+                family = Counter(m.prom_name, m.help, [m.label], registry=registry)
+                self._counters.append((m, [family.labels(v) for v in m.label_values(ctx)]))
+        self._last: tuple[DeploymentStats, MetricContext] | None = None
+        registry.register(_Live(self._collect))
+
+    def record(self, stats: DeploymentStats, ctx: MetricContext) -> None:
+        """One tick: add its increments to the counters; its gauges are served from now on.
+
+        :param stats: the tick's snapshot.
+        :param ctx: names and the tick's guard overrides.
+        """
+        self._last = (stats, ctx)
+        for m, children in self._counters:
+            for child, value in zip(children, m.read(stats, ctx), strict=True):
+                if value > 0:
+                    child.inc(value)
+
+    def _collect(self) -> Iterator[Metric]:
+        if self._last is None:
+            return
+        stats, ctx = self._last
+        for m in self._gauges:
+            labels = [] if m.label == "none" else [m.label]
+            family = GaugeMetricFamily(m.prom_name, m.help, labels=labels)
+            for label, value in m.values(stats, ctx):
+                if not math.isnan(value):  # NaN is "no signal": no sample
+                    family.add_metric([label] if labels else [], value)
+            yield family
+
+
+@dataclass(frozen=True)
+class ControlState:
+    """The sidecar's control state at scrape time (not part of any tick's snapshot).
+
+    :param in_force: the action in force.
+    :param decided: the controller's last decision.
+    :param bucket_names: bucket labels.
+    :param pools: pool labels.
+    :param upstreams: ``(name, pool, reachable)`` per upstream.
+    :param shadow: shadow mode.
+    :param controller: the controller's name.
+    """
+
+    in_force: ControlAction
+    decided: ControlAction
+    bucket_names: tuple[str, ...]
+    pools: tuple[str, ...]
+    upstreams: tuple[tuple[str, str, bool], ...]
+    shadow: bool
+    controller: str
+
+
+def control_state_families(state: ControlState) -> Iterator[Metric]:
+    """The control-state gauges.
+
+    :param state: the state to show.
+    """
+    for metric_name, action, doc in (
+            ("rlbatch:batch_cap", state.in_force, "Batch cap in force per bucket and pool "
+             "(0: bucket not routed to the pool; +Inf: no cap)"),
+            ("rlbatch:decided_batch_cap", state.decided, "The controller's last decision "
+             "per bucket and pool (0: not routed there; +Inf: no cap)")):
+        fam = GaugeMetricFamily(metric_name, doc, labels=["bucket", "pool"])
+        for b, name in enumerate(state.bucket_names):
+            cap = action.caps[b]
+            for pool in state.pools:
+                value = 0.0 if action.pools[b] != pool else (
+                    math.inf if cap is None else float(cap))
+                fam.add_metric([name, pool], value)
+        yield fam
+    up = GaugeMetricFamily("rlbatch:upstream_up", "Upstream reachable (1) or not (0)",
+                           labels=["upstream", "pool"])
+    for name, pool, healthy in state.upstreams:
+        up.add_metric([name, pool], float(healthy))
+    yield up
+    yield GaugeMetricFamily("rlbatch:shadow_mode", "1 in shadow mode (decide, never act)",
+                            value=float(state.shadow))
+    ctl = GaugeMetricFamily("rlbatch:controller_info", "The controller in charge",
+                            labels=["controller"])
+    ctl.add_metric([state.controller], 1.0)
+    yield ctl
+
+
 class SidecarMetrics:
     """Every metric of one sidecar, in its own registry.
 
     :param bucket_names: bucket labels.
     :param pools: pool labels.
     :param upstream_names: upstream labels.
-    :param live: yields the live-state gauges at scrape time.
+    :param control_state: the control state at scrape time.
     """
 
     def __init__(self, bucket_names: tuple[str, ...], pools: tuple[str, ...],
                  upstream_names: tuple[str, ...],
-                 live: Callable[[], Iterable[Metric]]) -> None:
+                 control_state: Callable[[], ControlState]) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         reg = self.registry
-        self.guard_overrides = Counter("rlbatch:guard_overrides", "Guard rule overrides of "
-                                       "the policy's proposal", ["rule"], registry=reg)
-        for rule in RULES:
-            self.guard_overrides.labels(rule)
+        self.snapshot = SnapshotMetrics(reg, MetricContext(bucket_names, pools))
         self.decision_seconds = Histogram("rlbatch:decision_seconds", "Time of one control "
                                           "decision (observation + policy + guard)",
                                           buckets=FAST_BUCKETS, registry=reg)
@@ -109,7 +238,7 @@ class SidecarMetrics:
                          for b, name in enumerate(bucket_names) for o in OUTCOMES}
         self.bad_requests = Counter("rlbatch:bad_requests", "Requests answered 400 before "
                                     "admission (bad JSON, missing fields)", registry=reg)
-        truncated = Counter("rlbatch:prompts_truncated", "Prompts truncated to max_seq_len",
+        truncated = Counter("rlbatch:prompts_truncated", "Prompts truncated to max_model_len",
                             ["bucket"], registry=reg)
         self.truncated = [truncated.labels(name) for name in bucket_names]
         retries = Counter("rlbatch:upstream_retries", "Requests retried on another replica",
@@ -127,4 +256,4 @@ class SidecarMetrics:
         self.tokenize_seconds = Histogram("rlbatch:tokenize_seconds", "Prompt token count "
                                           "time", ["counter"], buckets=FAST_BUCKETS,
                                           registry=reg)
-        reg.register(_Live(live))
+        reg.register(_Live(lambda: control_state_families(control_state())))

@@ -80,7 +80,7 @@ class SidecarSettings:
     :param approx_bytes_per_token: divisor of the ``approx`` counter.
     :param tokenizer_thread_chars: prompts longer than this are tokenised in a worker thread
         so the event loop is never blocked for long.
-    :param max_seq_len: longest prompt + output admitted; ``None`` = the upstreams'
+    :param max_model_len: longest prompt + output admitted; ``None`` = the upstreams'
         ``max_model_len`` (or the controller guard's ``max_seq_len`` when it sets one).
     :param over_length: ``truncate`` (keep the prompt's last tokens, vLLM
         ``truncate_prompt_tokens``) or ``reject`` (400); ``None`` = the controller guard's
@@ -116,7 +116,7 @@ class SidecarSettings:
     tokenizer: str = "auto"
     approx_bytes_per_token: float = 4.0
     tokenizer_thread_chars: int = 2048
-    max_seq_len: int | None = None
+    max_model_len: int | None = None
     over_length: OverLength | None = None
     shadow: bool = False
     shadow_pool: str | None = None
@@ -159,8 +159,8 @@ class SidecarSettings:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
-        if self.max_seq_len is not None and self.max_seq_len < 2:
-            raise ValueError(f"max_seq_len must be >= 2 or None, got {self.max_seq_len}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 or None, got {self.max_model_len}")
         if self.over_length not in (None, "truncate", "reject"):
             raise ValueError(f"over_length must be 'truncate' or 'reject', got "
                              f"{self.over_length!r}")

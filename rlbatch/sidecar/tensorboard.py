@@ -1,21 +1,41 @@
-"""Decisions to TensorBoard (``--logdir``), written with the ``tensorboard`` package alone
-(no torch): one event per scalar per control tick, on tensorboard's own writer thread, so a
-tick never waits for the disk.
+"""The sidecar's control ticks to TensorBoard (``--logdir``), with the ``tensorboard`` package
+alone (no torch): one event per tick, on tensorboard's own writer thread, so a tick never
+waits for the disk.
 
-Tags follow the project's prefixes: ``decision/`` (caps, pools, decision time),
-``guard/`` (override counts by rule), ``engine/`` (KV usage, running per upstream),
-``rollout/`` (queues, arrivals, window P99s); the settings go in once as text.
+Tags are the snapshot table's (:data:`rlbatch.control.stats_metrics.METRICS`: ``rollout/``,
+``engine/``, ``decision/``, ``guard/``, the same tags training writes) plus the sidecar's own
+``decision/fallback`` and ``decision/seconds``; the settings go in once as text.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
 
+from rlbatch.control.stats_metrics import MetricContext, tensorboard_scalars
+from rlbatch.control.types import DeploymentStats
+
+
+def tick_scalars(stats: DeploymentStats, ctx: MetricContext, *, fallback: bool,
+                 decision_s: float) -> dict[str, float]:
+    """One tick's scalars: the table's, then the sidecar's; non-finite values dropped
+    (TensorBoard cannot plot them: an uncapped bucket's cap, an empty window's P99).
+
+    :param stats: the tick's snapshot.
+    :param ctx: names and the tick's guard overrides.
+    :param fallback: the tick applied the guard's fallback caps.
+    :param decision_s: the controller's decision time (NaN: it did not decide).
+    """
+    scalars = tensorboard_scalars(stats, ctx)
+    scalars["decision/fallback"] = float(fallback)
+    scalars["decision/seconds"] = decision_s
+    return {tag: value for tag, value in scalars.items() if math.isfinite(value)}
+
 
 class DecisionWriter:
-    """Scalars of the control loop, per tick.
+    """Scalars of the control ticks, one event per tick.
 
     :param logdir: TensorBoard log directory (created on :meth:`open`).
     """

@@ -124,6 +124,13 @@ class HttpUpstream:
     def num_unfinished(self, bucket: int) -> int:
         return self.unfinished[bucket]
 
+    def num_waiting(self, bucket: int) -> int:
+        """Requests of ``bucket`` admitted here but waiting for the engine-wide cap.
+
+        :param bucket: bucket index.
+        """
+        return self.unfinished[bucket] - self.running[bucket]
+
     def num_unfinished_total(self) -> int:
         return self._total + (0 if self.healthy else UNHEALTHY_LOAD)
 

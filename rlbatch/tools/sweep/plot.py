@@ -28,9 +28,9 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 
+from rlbatch.tools.sweep.checklist import SweepResult, precision_note
 from rlbatch.tools.sweep.memory import format_bytes, memory_unit
 from rlbatch.tools.sweep.point import SweepPoint
-from rlbatch.tools.sweep.sweep import SweepResult, precision_note
 
 _SEQ_COLORS = ("#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#17becf", "#bcbd22", "#e377c2")
 _OVERFLOW = "#d62728"

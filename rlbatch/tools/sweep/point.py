@@ -7,8 +7,8 @@ from typing import Any
 
 from rlbatch.engine.config import Precision
 from rlbatch.serving.metrics import percentile
+from rlbatch.tools.sweep.backend import SweepBackend
 from rlbatch.tools.sweep.closed_loop import ClosedLoopResult, run_closed_loop
-from rlbatch.tools.sweep.engines import SweepBackend
 from rlbatch.tools.sweep.memory import MemoryBreakdown
 from rlbatch.tools.sweep.spec import SweepSLA, SweepSpec
 
@@ -204,6 +204,7 @@ def summarize_point(result: ClosedLoopResult, spec: SweepSpec, batch: int, seq_l
     :param memory: the point's memory breakdown.
     """
     records = result.records
+    totals = result.totals
     span = result.makespan_s
     out_tokens = sum(r.output_tokens for r in records)
     all_tokens = out_tokens + sum(r.prompt_tokens for r in records)
@@ -223,9 +224,9 @@ def summarize_point(result: ClosedLoopResult, spec: SweepSpec, batch: int, seq_l
         tpot_p99_s=percentile(tpot, 99),
         e2e_p50_s=percentile(e2e, 50), e2e_p95_s=percentile(e2e, 95),
         e2e_p99_s=percentile(e2e, 99),
-        kv_cache_usage_peak=result.kv_cache_usage_peak, max_running=result.max_running,
-        preemptions=result.preemptions,
-        kv_overflows=result.kv_overflows, recomputed_tokens=result.recomputed_tokens,
+        kv_cache_usage_peak=totals.kv_cache_usage_peak, max_running=totals.max_running,
+        preemptions=totals.preemptions, kv_overflows=totals.kv_overflows,
+        recomputed_tokens=totals.recomputed_tokens,
         memory=memory.to_dict())
     failures = point.sla_failures(spec.sla)
     latency_ok = not any(f.startswith("P99") for f in failures)

@@ -19,7 +19,7 @@ MIN_REQUESTS = 64
 
 @dataclass(frozen=True)
 class GridDefaults:
-    """What the command uses when ``--batch``, ``--seq-len``, ``--gpu`` or ``--model`` is not
+    """What the command uses when ``--max-num-seqs``, ``--seq-len``, ``--gpu`` or ``--model`` is not
     given, per engine.
 
     :param batches: batch sizes.
@@ -57,7 +57,7 @@ def parse_int_list(text: str, what: str) -> list[int]:
     """Parse ``"4,8,16"`` into ``[4, 8, 16]``: positive integers, at least one.
 
     :param text: comma-separated integers.
-    :param what: the option's name, for the error message (e.g. ``"--batch"``).
+    :param what: the option's name, for the error message (e.g. ``"--max-num-seqs"``).
     :raises ValueError: empty list, a non-integer, or a value < 1.
     """
     parts = [p.strip() for p in text.split(",") if p.strip()]

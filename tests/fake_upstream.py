@@ -1,13 +1,17 @@
-"""A fault-injection fake of a vLLM OpenAI server, for the faults a real server cannot be made
-to produce on demand: a 500 answer, a dropped connection before or in the middle of a
-response, a failing ``/metrics``, a response that never comes. Everything else in the
-sidecar's tests runs against a real ``vllm.entrypoints.openai.api_server``.
+"""A fake vLLM OpenAI server that injects faults, for the sidecar's tests and benchmark.
+
+It covers the faults a real server cannot be made to produce on demand: a 500 answer, a
+dropped connection before or in the middle of a response, a failing ``/metrics``, a response
+that never comes. Everything else in the sidecar's tests runs against a real
+``vllm.entrypoints.openai.api_server``.
 
 The fake speaks just enough of vLLM's protocol: ``/v1/models`` (with ``max_model_len``),
 ``/metrics`` (the series :mod:`rlbatch.sidecar.vllm_metrics` reads, with the running count it
 actually holds), ``/tokenize``, and ``/v1/completions`` / ``/v1/chat/completions`` that
 answer ``tokens`` tokens (streamed or not) after ``delay_s``. It also serves as the
-zero-cost upstream of the overhead benchmark's ``--stub`` mode.
+zero-cost upstream of the overhead benchmark's ``--upstream stub`` mode
+(``benchmarks/bench_sidecar.py`` imports it from here: it is test code, not part of the
+``rlbatch`` package).
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ _USAGE = ('data: {{"id":"cmpl-fake","object":"text_completion","model":"fake","c
           '"usage":{{"prompt_tokens":{p},"total_tokens":{t},"completion_tokens":{c}}}}}\n\n')
 
 
-class FaultInjectionUpstream:
+class FakeUpstream:
     """The fake server.
 
     :param max_model_len: what ``/v1/models`` reports.

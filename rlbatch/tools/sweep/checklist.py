@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlbatch.engine.config import Precision
-from rlbatch.tools.sweep.engines import open_backend, precision_note
+from rlbatch.tools.sweep.backend import precision_note
+from rlbatch.tools.sweep.engines import open_backend
 from rlbatch.tools.sweep.guide import (
     GUIDE_CONFIGS,
     GuideCheck,

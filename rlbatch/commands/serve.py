@@ -1,20 +1,51 @@
-"""Command line of the sidecar (``serve.py``): options -> :class:`SidecarSettings`, and the
-event loop that runs the app."""
+"""The ``serve`` command: the admission-control sidecar's options, settings and event loop.
+
+    python serve.py --upstream fp16=http://127.0.0.1:8000 [--upstream fp8=URL] \\
+        (--policy PATH | --controller playbook|static:N) [--shadow] [--logdir DIR]
+
+Clients talk to the sidecar's /v1/completions and /v1/chat/completions; it buckets each
+request by prompt length, queues it per bucket, forwards it to the pool its bucket is routed
+to while the bucket is under its cap, and every control tick reads the upstreams' /metrics,
+asks the controller (policy + guard) and sets the caps. See docs/sidecar.md.
+
+Options shared with the other commands (``--gpu``, ``--model``, ``--buckets``, ``--sla-*``)
+come from :mod:`rlbatch.commands.options`, spelled the same everywhere.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
+import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from rlbatch.buckets import DEFAULT_EDGES, Buckets
-from rlbatch.control.types import SLA
+from prometheus_client import disable_created_metrics
+
+from rlbatch.commands.options import (
+    add_buckets_option,
+    add_gpu_model_options,
+    add_over_length_option,
+    add_sla_options,
+    sla_from_args,
+)
+from rlbatch.control.controllers import make_controller
+from rlbatch.sidecar.app import create_app, serve
 from rlbatch.sidecar.settings import TOKENIZER_MODES, SidecarSettings, UpstreamSpec
 
 ADMIN_TOKEN_ENV = "RLBATCH_ADMIN_TOKEN"
+
+
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where its help already tells it (the shared
+    options do)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        return text if "(default" in text else super()._get_help_string(action)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,9 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="the upstreams' --max-num-seqs (vLLM does not export it)")
     up.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                     help="the upstreams' --max-num-batched-tokens")
-    up.add_argument("--gpu", default=d.gpu, help="GPU profile name told to the controller")
-    up.add_argument("--model", default=d.model, help="model profile name told to the "
-                    "controller")
+    add_gpu_model_options(up, gpu=d.gpu, model=d.model)
     up.add_argument("--scrape-timeout-s", type=float, default=d.scrape_timeout_s)
     up.add_argument("--connect-timeout-s", type=float, default=d.connect_timeout_s)
     up.add_argument("--request-timeout-s", type=float, default=None,
@@ -54,12 +83,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ctl.add_argument("--tick-s", type=float, default=d.tick_s, help="control interval")
     ctl.add_argument("--window-s", type=float, default=d.window_s,
                      help="sliding window of the latency percentiles")
-    ctl.add_argument("--bucket-edges", default=",".join(str(e) for e in DEFAULT_EDGES),
-                     help="prompt-length bucket edges in tokens")
-    ctl.add_argument("--sla-ttft-s", type=float, default=SLA().ttft_s)
-    ctl.add_argument("--sla-tpot-s", type=float, default=SLA().tpot_s)
-    ctl.add_argument("--no-cold-start", dest="cold_start", action="store_false",
-                     help="the upstreams are warm: skip the guard's warm-up ramp")
+    add_buckets_option(ctl)
+    add_sla_options(ctl)
+    ctl.add_argument("--cold-start", action=argparse.BooleanOptionalAction,
+                     default=d.cold_start,
+                     help="the upstreams have just started: the guard's warm-up ramp applies "
+                          "(--no-cold-start: they are warm)")
     ctl.add_argument("--logdir", type=Path, default=None,
                      help="write the decisions to TensorBoard here")
 
@@ -73,10 +102,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     adm.add_argument("--tokenizer", default=d.tokenizer,
                      help=f"prompt token counting: {' | '.join(TOKENIZER_MODES)} | a "
                           f"tokenizer.json or model folder")
-    adm.add_argument("--max-seq-len", type=int, default=None,
+    adm.add_argument("--max-model-len", type=int, default=None,
                      help="longest prompt + output (default: the upstreams' max_model_len)")
-    adm.add_argument("--over-length", choices=("truncate", "reject"), default=None,
-                     help="over-long requests (default: the controller guard's choice)")
+    add_over_length_option(adm, default=None,
+                           default_text="default: the controller guard's choice")
 
     srv = parser.add_argument_group("server")
     srv.add_argument("--host", default=d.host,
@@ -102,12 +131,11 @@ def settings_from_args(args: argparse.Namespace) -> SidecarSettings:
     """
     return SidecarSettings(
         upstreams=tuple(UpstreamSpec.parse(u) for u in args.upstream),
-        host=args.host, port=args.port, buckets=Buckets.parse(args.bucket_edges),
-        tick_s=args.tick_s, window_s=args.window_s,
-        sla=SLA(ttft_s=args.sla_ttft_s, tpot_s=args.sla_tpot_s),
+        host=args.host, port=args.port, buckets=args.buckets,
+        tick_s=args.tick_s, window_s=args.window_s, sla=sla_from_args(args),
         max_queue_len=args.max_queue_len, queue_timeout_s=args.queue_timeout_s,
         retry_after_s=args.retry_after_s, tokenizer=args.tokenizer,
-        max_seq_len=args.max_seq_len, over_length=args.over_length, shadow=args.shadow,
+        max_model_len=args.max_model_len, over_length=args.over_length, shadow=args.shadow,
         shadow_pool=args.shadow_pool, logdir=args.logdir, cold_start=args.cold_start,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu=args.gpu, model=args.model, scrape_timeout_s=args.scrape_timeout_s,
@@ -141,3 +169,39 @@ def run_loop(main: Callable[[], Coroutine[Any, Any, None]], loop: str = "auto") 
             factory = uvloop.new_event_loop
     with asyncio.Runner(loop_factory=factory) as runner:
         runner.run(main())
+
+
+def main(argv: list[str] | None = None, prog: str = "serve.py") -> int:
+    """Parse the options, build the controller and the app, serve until SIGINT/SIGTERM.
+
+    :param argv: the arguments (default: ``sys.argv[1:]``).
+    :param prog: the program name in usage and error messages.
+    :returns: the exit status (2: the controller cannot start, 1: cannot bind).
+    """
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Admission-control sidecar in front of vLLM OpenAI servers "
+        "(docs/sidecar.md).",
+        formatter_class=_DefaultsHelp)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    spec = controller_spec(args)
+    try:
+        controller = make_controller(spec)
+        app = create_app(settings, controller, controller_factory=make_controller)
+    except (ValueError, OSError) as exc:
+        print(f"{prog}: cannot start with controller {spec!r}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        run_loop(lambda: serve(app, settings, access_log=args.access_log), args.loop)
+    except OSError as exc:
+        print(f"{prog}: cannot serve on {settings.host}:{settings.port}: {exc}",
+              file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,241 @@
+"""The sidecar's control tick: snapshot through the ControlLoop, decide, guard fallback, apply.
+
+Every ``tick_s`` (after the upstreams' ``/metrics`` were scraped) the
+:class:`~rlbatch.serving.loop.ControlLoop` over the upstreams builds the tick's
+:class:`~rlbatch.control.types.DeploymentStats`, the controller (policy + guard, exactly as
+in the simulator) decides, and the action is applied. A failed scrape or a failing controller
+applies the guard's :meth:`~rlbatch.control.guard.Guard.fallback_action` caps instead
+(logged). In shadow mode the controller decides and the stats report its decision, but no cap
+is applied and every request goes to one pool. The tick's stats then go to Prometheus and
+TensorBoard, named by the snapshot table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from rlbatch.control.controllers import Controller
+from rlbatch.control.guard import Guard, GuardConfig
+from rlbatch.control.stats_metrics import MetricContext
+from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats
+from rlbatch.serving.loop import ControlLoop
+from rlbatch.sidecar.prom import SidecarMetrics
+from rlbatch.sidecar.settings import SidecarSettings
+from rlbatch.sidecar.source import UpstreamSource
+from rlbatch.sidecar.tensorboard import DecisionWriter, tick_scalars
+
+_LOG = logging.getLogger("rlbatch.sidecar")
+
+ControllerFactory = Callable[[str], Controller]
+
+
+def controller_guard(controller: Controller) -> Guard | None:
+    """The guard a controller carries (rule controllers and PPO do), if any.
+
+    :param controller: any controller.
+    """
+    guard = getattr(controller, "guard", None)
+    return guard if isinstance(guard, Guard) else None
+
+
+def guard_config(controller: Controller) -> GuardConfig:
+    """The configuration of the controller's guard (the default one when it has none).
+
+    :param controller: any controller.
+    """
+    guard = controller_guard(controller)
+    return guard.config if guard is not None else GuardConfig()
+
+
+def describe_action(action: ControlAction, bucket_names: tuple[str, ...]) -> str:
+    """One line: ``0-1k=32@fp16 1k-2k=8@fp8 ...``.
+
+    :param action: the action.
+    :param bucket_names: bucket labels.
+    """
+    parts = [f"{name}={'-' if cap is None else cap}@{pool}"
+             for name, cap, pool in zip(bucket_names, action.caps, action.pools, strict=True)]
+    if action.max_num_seqs is not None:
+        parts.append(f"max_num_seqs={action.max_num_seqs}")
+    return " ".join(parts)
+
+
+class SidecarControl:
+    """The controller in charge, its decisions and the control loop over the upstreams.
+
+    :param settings: the sidecar's settings.
+    :param controller: the controller; reset here with ``source.info``, so a policy that
+        does not fit (buckets, pools, observation size) fails before anything starts.
+    :param factory: builds a controller from its name (``None``: switching by name is off).
+    :param source: the upstreams as a control-loop source.
+    :param metrics: the sidecar's Prometheus metrics.
+    :param describe: the deployment as the upstreams describe it now.
+    """
+
+    def __init__(self, settings: SidecarSettings, controller: Controller,
+                 factory: ControllerFactory | None, source: UpstreamSource,
+                 metrics: SidecarMetrics, describe: Callable[[], DeploymentInfo]) -> None:
+        self.settings = settings
+        self.bucket_names = settings.buckets.names
+        self.source = source
+        self.metrics = metrics
+        self._factory = factory
+        self._describe = describe
+        self.controller = controller
+        self.decided = controller.reset(source.info)
+        source.in_force = self._shadow_action() if settings.shadow else self.decided
+        self._fallback_guard = controller_guard(controller) or Guard(guard_config(controller))
+        if controller_guard(controller) is None:
+            self._fallback_guard.reset(source.info)
+        self._guard_seen: dict[str, int] = {}
+        self.loop: ControlLoop | None = None
+        self.writer: DecisionWriter | None = None
+        self.fallback_active = False
+        self.last_decision_s = math.nan
+
+    @property
+    def in_force(self) -> ControlAction:
+        """The action in force on the upstreams."""
+        return self.source.in_force
+
+    @property
+    def ticks(self) -> int:
+        """Control ticks run."""
+        return 0 if self.loop is None else self.loop.ticks
+
+    def _shadow_action(self) -> ControlAction:
+        n = len(self.bucket_names)
+        return ControlAction((None,) * n, (self.settings.effective_shadow_pool,) * n)
+
+    def start(self, info: DeploymentInfo) -> None:
+        """The upstreams answered: reset the controller with what they told, start the
+        control loop and put the first action in force.
+
+        :param info: the deployment, described from the upstreams.
+        """
+        self.source.info = info
+        self.decided = self.controller.reset(info)
+        if controller_guard(self.controller) is None:
+            self._fallback_guard.reset(info)
+        self._guard_seen = {}
+        shadow = self.settings.shadow
+        self.loop = ControlLoop(self.source, None,
+                                self._shadow_action() if shadow else self.decided,
+                                window_s=self.settings.window_s, keep_records=False)
+        if shadow:
+            self.loop.apply(self.decided, enforce=False)
+
+    def fallback_action(self) -> ControlAction:
+        """The guard's safe caps; buckets routed to a pool with no reachable upstream go to
+        one that has one."""
+        safe = self._fallback_guard.fallback_action()
+        pool_available = self.source.dispatch.pool_available
+        usable = [p for p in self.source.dispatch.pools if pool_available(p)]
+        pools = tuple(p if p in usable or not usable else
+                      (cur if cur in usable else usable[0])
+                      for p, cur in zip(safe.pools, self.in_force.pools, strict=True))
+        return replace(safe, pools=pools)
+
+    def tick(self, now_s: float, failures: list[str]) -> DeploymentStats:
+        """One control tick after the scrapes: snapshot, decide, apply, export. Never raises
+        on a failing policy (the guard's safe caps apply, logged).
+
+        :param now_s: the sidecar clock.
+        :param failures: why scrapes failed this tick (empty: all succeeded).
+        """
+        assert self.loop is not None, "tick() before start()"
+        self.metrics.control_ticks.inc()
+        stats = self.loop.tick(now_s)
+        decision_s = math.nan
+        overrides: dict[str, int] = {}
+        if failures:
+            action = self.fallback_action()
+            if not self.fallback_active:
+                _LOG.warning("metrics scrape failed (%s): applying the guard's fallback caps "
+                             "%s", "; ".join(failures),
+                             describe_action(action, self.bucket_names))
+            self.fallback_active = True
+            self.metrics.fallback_ticks.inc()
+        else:
+            if self.fallback_active:
+                _LOG.info("metrics scrapes succeed again: the controller is back in charge")
+            self.fallback_active = False
+            t0 = time.perf_counter()
+            try:
+                action = self.controller.decide(stats)
+            except Exception:
+                _LOG.exception("controller %s failed to decide; applying the guard's fallback "
+                               "caps", self.controller.name)
+                action = self.fallback_action()
+                self.metrics.fallback_ticks.inc()
+            decision_s = time.perf_counter() - t0
+            self.metrics.decision_seconds.observe(decision_s)
+            self.last_decision_s = decision_s
+            overrides = self._new_overrides()
+        changed = action != self.decided
+        self.decided = action
+        if self.settings.shadow:
+            if changed:
+                _LOG.info("shadow decision (not applied) at tick %d: %s", self.ticks,
+                          describe_action(action, self.bucket_names))
+        elif action != self.in_force:
+            _LOG.info("tick %d: %s", self.ticks, describe_action(action, self.bucket_names))
+        self.loop.apply(action, enforce=not self.settings.shadow)
+        ctx = MetricContext(self.bucket_names, self.source.info.pool_names, overrides)
+        self.metrics.snapshot.record(stats, ctx)
+        if self.writer is not None:
+            self.writer.write(self.ticks, tick_scalars(
+                stats, ctx, fallback=self.fallback_active, decision_s=decision_s))
+        return stats
+
+    def _new_overrides(self) -> dict[str, int]:
+        """The guard's overrides since the previous call, by rule."""
+        guard = controller_guard(self.controller)
+        if guard is None:
+            return {}
+        new: dict[str, int] = {}
+        for rule, count in guard.state.counts.items():
+            seen = self._guard_seen.get(rule, 0)
+            if count > seen:
+                new[rule] = count - seen
+            self._guard_seen[rule] = count
+        return new
+
+    async def switch_controller(self, spec: str) -> Controller:
+        """Replace the controller by name (``static:8``, ``playbook``, ``ppo:PATH``); the
+        new one is reset with the deployment and in force from now on.
+
+        :param spec: controller name.
+        :raises ValueError: no factory, unknown name, or a policy that does not fit.
+        """
+        if self._factory is None:
+            raise ValueError("this sidecar was started without a controller factory")
+        controller = await asyncio.to_thread(self._factory, spec)
+        self.use_controller(controller)
+        return controller
+
+    def use_controller(self, controller: Controller) -> None:
+        """Put ``controller`` in charge (reset with the deployment first).
+
+        :param controller: the new controller.
+        :raises ValueError: it does not fit the deployment (e.g. ``ArtifactError``).
+        """
+        info = self._describe()
+        action = controller.reset(info)
+        self.source.info = info
+        old = self.controller.name
+        self.controller = controller
+        self._guard_seen = {}
+        guard = controller_guard(controller)
+        if guard is not None:
+            self._fallback_guard = guard
+        self.decided = action
+        if self.loop is not None:
+            self.loop.apply(action, enforce=not self.settings.shadow)
+        _LOG.info("controller switched: %s -> %s; in force: %s", old, controller.name,
+                  describe_action(self.in_force, self.bucket_names))
