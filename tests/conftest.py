@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,3 +34,14 @@ def mooncake_trace() -> Path:
     if not path.exists():
         pytest.fail(f"shared trace missing: {path}")
     return path
+
+
+@pytest.fixture(scope="session")
+def trace_path() -> Callable[[str], Path]:
+    """A shipped trace by file name; fails (never skips) when the shared data is missing."""
+    def find(name: str) -> Path:
+        path = traces_dir() / name
+        if not path.is_file():
+            pytest.fail(f"shipped trace {path} not present (set RLBATCH_TRACES_DIR)")
+        return path
+    return find

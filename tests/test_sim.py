@@ -11,27 +11,13 @@ from rlbatch.control.controllers import make_controller
 from rlbatch.engine.config import EngineConfig
 from rlbatch.engine.sim import SimEngine
 from rlbatch.engine.stats import FinishedRequest
-from rlbatch.profiles import StepTimeModel
 from rlbatch.request import Request
 from rlbatch.serving.admission import AdmissionConfig
 from rlbatch.serving.builders import build_deployment
 from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.serving.run import run
 from rlbatch.workload import Workload, build_workload, load_trace
-
-
-class ConstantStep(StepTimeModel):
-    """Every iteration takes ``dt`` seconds: makes timings hand-checkable."""
-
-    def __init__(self, dt: float = 0.01) -> None:
-        self.dt = dt
-
-    def step_time_s(self, num_prefill_tokens: int, prefill_attn_work: float,
-                    num_decode_seqs: int, decode_kv_tokens: int) -> float:
-        return self.dt
-
-    def decode_coefficients(self, num_decode_seqs: int) -> tuple[float, float]:
-        return self.dt, 0.0
+from tests.factories import ConstantStep
 
 
 def _engine(blocks: int = 1000, max_num_seqs: int = 256, budget: int = 2048,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,23 +24,6 @@ from rlbatch.workload import (
 AZURE = "azure_conv_2023.csv"
 MOONCAKE = "mooncake_synthetic.jsonl"
 AZURE_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
-
-
-def traces_dir() -> Path:
-    env = os.environ.get("RLBATCH_TRACES_DIR")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[1].parent / "shared" / "data" / "traces"
-
-
-@pytest.fixture(scope="module")
-def trace_path() -> Callable[[str], Path]:
-    def find(name: str) -> Path:
-        path = traces_dir() / name
-        if not path.is_file():
-            pytest.fail(f"shipped trace {path} not present (set RLBATCH_TRACES_DIR)")
-        return path
-    return find
 
 
 @pytest.fixture(scope="module")
