@@ -226,13 +226,6 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
             "caps": safe.caps,
             "pools": safe.pools,
             "stats": stats,
-            "engine": {
-                "kv_cache_usage": stats.kv_cache_usage_max,
-                "throughput_tok_s": stats.throughput_tok_s,
-                "preemptions": stats.preemptions,
-                "kv_overflows": stats.kv_overflows,
-                "queued": sum(stats.queued),
-            },
         }
         if truncated:
             info["episode_summary"] = self._loop.summary()

@@ -34,6 +34,8 @@ from rlbatch.serving.run import run
 from rlbatch.workload import Workload, load_trace
 from rlbatch.workload.scenarios import make_scenario, slice_trace
 
+TB_SAMPLE_EVERY = 10
+"""Ticks between two samples of the metric table in training's TensorBoard means."""
 
 @dataclass
 class TrainConfig:
@@ -217,12 +219,15 @@ class TrainingCallbacks:
                     if not isinstance(stats, DeploymentStats):
                         continue
                     self.count += 1
-                    ctx = MetricContext(bucket_names, pool_names,
-                                        Counter(info["overrides"]))
-                    for tag, value in tensorboard_scalars(stats, ctx).items():
-                        if math.isfinite(value):
-                            self.sums[tag] += value
-                            self.counts[tag] += 1
+                    # The whole table costs ~40 us a tick (~3% of a PPO step); a mean over
+                    # every TB_SAMPLE_EVERY-th tick of the 2,000 logged is as good a curve.
+                    if self.count % TB_SAMPLE_EVERY == 0:
+                        ctx = MetricContext(bucket_names, pool_names,
+                                            Counter(info["overrides"]))
+                        for tag, value in tensorboard_scalars(stats, ctx).items():
+                            if math.isfinite(value):
+                                self.sums[tag] += value
+                                self.counts[tag] += 1
                     for k, v in info["reward_parts"].items():
                         self.sums[f"reward/{k}"] += float(v)
                         self.counts[f"reward/{k}"] += 1

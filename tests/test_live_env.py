@@ -52,8 +52,7 @@ def test_live_env_episode_obeys_caps() -> None:
             _, reward, _, truncated, info = env.step(action)
             steps += 1
             assert np.isfinite(reward)
-            stats = info["engine"]
-            assert stats["kv_overflows"] == 0
+            assert info["stats"].kv_overflows == 0
         assert truncated, "the live episode did not end"
         assert info["episode_summary"]["completed"] > 0
     finally:

@@ -1,9 +1,8 @@
 """The control vocabulary: actions, SLA, what a controller is told and shown.
 
-A controller is consulted once per control tick with the deployment's stats snapshot and
-returns a ControlAction. Controllers living outside the core package (rule controllers and
-PPO in ``policies/``) register through the ``rlbatch.controllers`` entry-point group, so the
-core never imports them: ``make_controller("playbook")`` finds them by name.
+A controller is consulted once per control tick with the deployment's stats snapshot
+(:class:`DeploymentStats`) and returns a :class:`ControlAction`; the controllers themselves
+and their registry are in :mod:`rlbatch.control.controllers`.
 """
 
 from __future__ import annotations
@@ -12,8 +11,6 @@ from dataclasses import dataclass
 
 from rlbatch.buckets import Buckets
 from rlbatch.engine.stats import EngineStats, FinishedRequest, batch_efficiency
-
-ENTRY_POINT_GROUP = "rlbatch.controllers"
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ a tick's arrivals and rejections come from one set of counters.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -153,10 +153,6 @@ class Admission:
             for eng in self.engines:
                 eng.set_max_num_seqs(action.max_num_seqs)
 
-    def bucket_of(self, request: Request) -> int:
-        """The bucket of ``request`` (by its prompt length)."""
-        return self.buckets.index(request.prompt_tokens)
-
     def submit(self, request: Request) -> Outcome:
         """A request arrives: bucket it, apply the length policy and the queue bound, then
         queue it (capped bucket) or hand it to the least-loaded engine of its pool.
@@ -180,7 +176,7 @@ class Admission:
             if bound is not None and sum(
                     e.num_waiting(bucket) for e in self.pools[pool]) >= bound:
                 return self._reject(request, bucket, "queue_full")
-            engine = self._least_loaded(pool)
+            engine = _least_loaded(self.pools[pool])
             engine.add_request(request, bucket, prompt, truncated)
             return Admitted(bucket, engine.engine_id)
         queue = self.queues[bucket]
@@ -264,7 +260,7 @@ class Admission:
         """
         engines = [e for e in self.pools[pool] if e.engine_id not in exclude]
         if len(engines) > 1:
-            engines.sort(key=lambda e: (e.num_unfinished_total(), e.engine_id))
+            engines.sort(key=_load)
         return sum(self.admit(e) for e in engines)
 
     def least_loaded(self, pool: str, *, bucket: int | None = None,
@@ -279,9 +275,7 @@ class Admission:
         cap = None if bucket is None else self.caps[bucket]
         candidates = [e for e in self.pools[pool] if e.engine_id not in exclude
                       and (cap is None or bucket is None or e.num_unfinished(bucket) < cap)]
-        if not candidates:
-            return None
-        return min(candidates, key=lambda e: (e.num_unfinished_total(), e.engine_id))
+        return _least_loaded(candidates) if candidates else None
 
     def queued(self) -> tuple[int, ...]:
         """Per bucket, requests in the admission queue."""
@@ -315,18 +309,6 @@ class Admission:
         self.budget_blocked_in_tick = False
         return out
 
-    def take_tick_counters(self) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
-        """Arrivals and rejections per bucket since the last call, and whether the KV budget
-        held a request back (the older form of :meth:`take_counters`)."""
-        c = self.take_counters()
-        return c.arrived, c.rejected, c.kv_budget_blocked
-
-    def _least_loaded(self, pool: str) -> Engine:
-        engines = self.pools[pool]
-        if len(engines) == 1:
-            return engines[0]
-        return min(engines, key=lambda e: (e.num_unfinished_total(), e.engine_id))
-
     def _reject(self, request: Request, bucket: int, reason: RejectReason) -> Rejected:
         self.rejected_in_tick[bucket] += 1
         nan = float("nan")
@@ -335,3 +317,13 @@ class Admission:
             arrival_s=request.arrival_s, prompt_tokens=request.prompt_tokens, output_tokens=0,
             ttft_s=nan, tpot_s=nan, e2e_s=nan, finish_s=request.arrival_s, rejected=True))
         return Rejected(bucket, reason)
+
+
+def _load(engine: Engine) -> tuple[int, int]:
+    """Least-loaded order: fewest requests inside, then lowest id."""
+    return engine.num_unfinished_total(), engine.engine_id
+
+
+def _least_loaded(engines: Sequence[Engine]) -> Engine:
+    # One engine per pool is the common case and this runs for every uncapped arrival.
+    return engines[0] if len(engines) == 1 else min(engines, key=_load)

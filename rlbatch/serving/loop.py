@@ -89,7 +89,6 @@ class ControlLoop:
         self.cancelled_total = 0
         self.last_arrival_s = 0.0
         self.deadline_s = math.inf
-        self._replay = requests is not None
         if requests is not None:
             if not isinstance(source, ReplaySource):
                 raise TypeError(f"{type(source).__name__} cannot replay a request stream "
@@ -97,21 +96,16 @@ class ControlLoop:
             source.load(requests)
             self.last_arrival_s = source.last_arrival_s
             self.deadline_s = self.last_arrival_s + drain_s
-        self.submitted_planned = len(requests) if requests is not None else 0
+        self._planned = None if requests is None else len(requests)
         self.action = initial_action
         source.apply(initial_action)
         self.ticks = 0
         self.time_s = 0.0
 
     @property
-    def deployment(self) -> ServingSource:
-        """The source (the name callers used when it was always a Deployment)."""
-        return self.source
-
-    @property
     def submitted(self) -> int:
         """Requests in the replayed stream, or arrivals counted so far without one."""
-        return self.submitted_planned if self._replay else self.arrived_total
+        return self.arrived_total if self._planned is None else self._planned
 
     def apply(self, action: ControlAction, *, enforce: bool = True) -> None:
         """Make ``action`` the one reported in the stats from now on.
