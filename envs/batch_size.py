@@ -11,13 +11,12 @@ import numpy as np
 from gymnasium import spaces
 
 from rlbatch.buckets import Buckets
-from rlbatch.control.action_codec import ActionCodec
+from rlbatch.control.action_codec import TOTAL_LADDER, make_codec
 from rlbatch.control.guard import Guard, GuardConfig
 from rlbatch.control.observation import (
     CLIP,
-    GLOBAL_FEATURES,
-    PER_BUCKET_FEATURES,
     ObservationBuilder,
+    observation_size,
 )
 from rlbatch.control.reward import RewardConfig, compute_reward
 from rlbatch.control.types import SLA, ControlAction, DeploymentInfo, DeploymentStats
@@ -51,8 +50,18 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     ``action[2b + 1]`` an index into the deployment's pools (``P = 1`` when it has one pool,
     so that dimension is fixed at 0). Anything else raises ``ValueError``.
 
+    With ``action_kind="total_share"``: ``MultiDiscrete([T] + [S, P] * B)``: ``action[0]``
+    indexes the total cap ladder (``4 ... 256``, engine-wide ``max_num_seqs``, what a static
+    cap sets) and, per bucket, ``action[1 + 2b]`` its share of the total (``1/8, 1/4, 1/2,
+    1``: cap ``ceil(share * total)``, 1 = only the total limits it) and ``action[2 + 2b]``
+    its pool. With ``decision_ticks = k`` one step holds the action for ``k`` ticks (the
+    guard still checks every tick) and returns the summed reward.
+
     ## Observation space
     ``Box(0, 10, (8 B + 13,), float32)``; every feature is normalised and clipped to [0, 10].
+    ``obs_version=2`` appends smoothed trends (``3 B + 4`` more: per bucket arrival and
+    departure rates and queue growth; total running, total cap in force, arrivals /
+    departures, doomed rate; see :mod:`rlbatch.control.observation`).
 
     | index | feature | unit / normalisation |
     |---|---|---|
@@ -77,12 +86,20 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     ## Rewards
     Per tick (see :mod:`rlbatch.control.reward`)::
 
-        r = (met - 0.5 missed) / norm - 0.2 late_queue - 0.05 preemptions / norm
+        r = (met - 0.5 missed) / norm - 0.5 unbooked_at_end / norm
+            - 0.2 mean_b min(late_b, 30) - 0.05 preemptions / norm
             - 1.0 [kv_overflow] - 0.02 overrides / B - 0.015 met_fp8 / norm
             + 0.2 (worst bucket attainment - 1)
 
-    with ``norm`` the episode's expected arrivals per tick. ``info["reward_parts"]`` holds
-    every component; ``info["stats"]`` is the tick's typed
+    with ``norm`` the episode's expected arrivals per tick. ``missed`` books every request
+    that cannot meet the SLA once, as soon as that is known: its TTFT deadline passed without
+    a first token (queued or inside an engine: ``stats.doomed``), it completed over the TPOT
+    limit, or it was refused. At the episode's last step every request still unfinished and
+    not yet booked counts as missed (``unbooked_at_end``), so leaving work undone never pays.
+    ``late_b`` is how many TTFT limits bucket b's queue head is past its deadline. The
+    attainment is per bucket over the 30 s window; a bucket with no completions there but
+    doomed requests (or a queue head past its deadline) counts 0. ``info["reward_parts"]``
+    holds every component; ``info["stats"]`` is the tick's typed
     :class:`~rlbatch.control.types.DeploymentStats` (what training's TensorBoard reads through
     :mod:`rlbatch.control.stats_metrics`).
 
@@ -100,7 +117,8 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     ``gymnasium.make("rlbatch/BatchSize-v0", scenario="mixed", traces=None,
     episode_s=600, tick_s=1.0, drain_s=120, gpu="a100-80g", model="llama-2-7b",
     pools="fp16", ladder=None, guard=None, reward=None, sla=None, buckets=None,
-    load_scale=1.0, window_s=30, engine="sim", max_model_len=None)``
+    load_scale=1.0, window_s=30, engine="sim", max_model_len=None,
+    action_kind="per_bucket", obs_version=1, decision_ticks=1)``
 
     * ``scenario``: ``mixed`` (trace slices + generators), a named scenario (``day``,
       ``night``, ``bursty``, ``diurnal``), or a trace file path (random slices of it).
@@ -111,6 +129,10 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
       here, a checkpoint folder on a GPU host); ticks are then wall-clock, each reset starts
       fresh engines, and the guard's warm-up applies (a cold start).
     * ``max_model_len``: longest prompt + output accepted (default: the model's).
+    * ``action_kind``: ``per_bucket`` (caps per bucket) or ``total_share`` (a total cap and
+      per-bucket shares; the guard's ladder is then the total ladder, up to 256).
+    * ``obs_version``: 1 (snapshot features) or 2 (plus trends).
+    * ``decision_ticks``: ticks one action is held for.
 
     ## Version history
     * v0: initial version.
@@ -137,17 +159,25 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
         window_s: float = 30.0,
         engine: str = "sim",
         max_model_len: int | None = None,
+        action_kind: str = "per_bucket",
+        obs_version: int = 1,
+        decision_ticks: int = 1,
     ) -> None:
         super().__init__()
         if not episode_s > 0 or not tick_s > 0 or not drain_s >= 0:
             raise ValueError(f"episode_s and tick_s must be > 0 and drain_s >= 0, got "
                              f"{episode_s}, {tick_s}, {drain_s}")
-        guard_cfg = guard or GuardConfig()
+        if decision_ticks < 1:
+            raise ValueError(f"decision_ticks must be >= 1, got {decision_ticks}")
+        guard_cfg = guard or GuardConfig(
+            ladder=TOTAL_LADDER if action_kind == "total_share" else GuardConfig().ladder)
         if ladder is not None:
             guard_cfg = replace(guard_cfg, ladder=tuple(ladder))
         self.guard = Guard(guard_cfg)
         self.ladder = guard_cfg.ladder
         self.reward_cfg = reward or RewardConfig()
+        self.obs_version = obs_version
+        self.decision_ticks = decision_ticks
         self.scenario = scenario
         self.episode_s = episode_s
         self.drain_s = drain_s
@@ -161,9 +191,11 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
             cold_start=engine == "vllm")
         self.pool_names = tuple(self.deployment_spec.pools)
         n_b = len(self.deployment_spec.buckets)
-        self.codec = ActionCodec(self.ladder, self.pool_names, n_b)
+        self.codec = make_codec(action_kind, ladder=self.ladder, pools=self.pool_names,
+                                num_buckets=n_b)
+        self.action_kind = action_kind
         self.action_space = spaces.MultiDiscrete(np.array(self.codec.nvec, dtype=np.int64))
-        size = n_b * len(PER_BUCKET_FEATURES) + len(GLOBAL_FEATURES)
+        size = observation_size(n_b, obs_version)
         self.observation_space = spaces.Box(0.0, CLIP, shape=(size,), dtype=np.float32)
         if scenario == "mixed":
             self._sampler: ScenarioSampler | None = ScenarioSampler(
@@ -200,7 +232,7 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
         self._loop = ControlLoop(deployment, workload.requests, initial,
                                  window_s=self.window_s, drain_s=self.drain_s)
         self._builder = ObservationBuilder(info, self.guard.config.max_cap,
-                                           self.guard.config.warmup_s)
+                                           self.guard.config.warmup_s, self.obs_version)
         self._last_stats = None
         rate = len(workload) / max(workload.duration_s, self.deployment_spec.tick_s)
         self._norm = max(rate * self.deployment_spec.tick_s, 1e-3)
@@ -211,18 +243,31 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
         if self._loop is None or self._builder is None or self._info is None:
             raise RuntimeError("call reset() before step()")
         proposed = self.decode_action(action)
-        safe, overrides = self.guard.check(proposed, self._last_stats)
-        self._loop.apply(safe)
-        stats = self._loop.tick()
-        self._last_stats = stats
-        reward, parts = compute_reward(stats, len(overrides), self._norm, self._info.sla,
-                                       self.reward_cfg)
-        obs = self._builder.build(stats, self.guard.flags())
-        truncated = self._loop.finished
+        # The proposal holds for decision_ticks ticks; the guard checks it every tick and
+        # the observation's smoothed rates see every tick.
+        reward = 0.0
+        parts: dict[str, float] = {}
+        fired: list[str] = []
+        for _ in range(self.decision_ticks):
+            safe, overrides = self.guard.check(proposed, self._last_stats)
+            self._loop.apply(safe)
+            stats = self._loop.tick()
+            self._last_stats = stats
+            truncated = self._loop.finished
+            r, tick_parts = compute_reward(
+                stats, len(overrides), self._norm, self._info.sla, self.reward_cfg,
+                unbooked=self._loop.unbooked_by_bucket() if truncated else ())
+            reward += r
+            for k, v in tick_parts.items():
+                parts[k] = parts.get(k, 0.0) + v
+            fired.extend(o.rule for o in overrides)
+            obs = self._builder.build(stats, self.guard.flags())
+            if truncated:
+                break
         info: dict[str, Any] = {
             "time_s": stats.time_s,
             "reward_parts": parts,
-            "overrides": [o.rule for o in overrides],
+            "overrides": fired,
             "caps": safe.caps,
             "pools": safe.pools,
             "stats": stats,

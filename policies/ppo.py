@@ -1,7 +1,10 @@
 """``ppo:PATH``: a trained policy artifact behind the guard.
 
 Serving loads the safetensors artifact (no pickle, no SB3, no torch) and runs the same
-observation code and guard as the environment it was trained in.
+observation code and guard as the environment it was trained in. The artifact says which
+action space (``per_bucket`` or ``total_share``), observation version and decision interval
+the policy was trained with; artifacts without those fields are the first policies'
+(per-bucket caps, observation version 1, a decision every tick).
 """
 
 from __future__ import annotations
@@ -10,10 +13,16 @@ from pathlib import Path
 
 from policies.artifact import ArtifactError, PolicyArtifact, load_artifact
 from policies.rules import GuardedController
-from rlbatch.control.action_codec import ActionCodec
+from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, Codec, make_codec
 from rlbatch.control.guard import GuardConfig
 from rlbatch.control.observation import ObservationBuilder
 from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats
+
+
+def artifact_guard(artifact: PolicyArtifact) -> GuardConfig:
+    """The guard a policy was trained behind: default rules on its cap ladder."""
+    ladder = tuple(int(c) for c in artifact.metadata["ladder"])
+    return GuardConfig(ladder=ladder)
 
 
 class PpoController(GuardedController):
@@ -26,11 +35,16 @@ class PpoController(GuardedController):
 
     def __init__(self, artifact: PolicyArtifact, name: str = "ppo",
                  guard: GuardConfig | None = None) -> None:
-        ladder = tuple(int(c) for c in artifact.metadata["ladder"])
-        super().__init__(name, guard or GuardConfig(ladder=ladder))
+        super().__init__(name, guard or artifact_guard(artifact))
         self.artifact = artifact
+        meta = artifact.metadata
+        self.action_kind = str(meta.get("action_kind", "per_bucket"))
+        self.obs_version = int(meta.get("obs_version", 1))
+        self.decision_ticks = max(1, int(meta.get("decision_ticks", 1)))
         self._builder: ObservationBuilder | None = None
-        self._codec: ActionCodec | None = None
+        self._codec: Codec | None = None
+        self._held: ControlAction | None = None
+        self._ticks = 0
 
     def on_reset(self, info: DeploymentInfo) -> None:
         meta = self.artifact.metadata
@@ -41,17 +55,37 @@ class PpoController(GuardedController):
             raise ArtifactError(f"policy was trained on pools {meta['pools']}, the deployment "
                                 f"has {list(info.pool_names)}")
         self._builder = ObservationBuilder(info, self.guard.config.max_cap,
-                                           self.guard.config.warmup_s)
+                                           self.guard.config.warmup_s, self.obs_version)
         if self._builder.size != self.artifact.obs_size:
             raise ArtifactError(f"policy expects {self.artifact.obs_size} observation "
                                 f"features, the deployment gives {self._builder.size}")
-        self._codec = ActionCodec(self.guard.config.ladder, info.pool_names, len(info.buckets))
+        self._codec = make_codec(
+            self.action_kind, ladder=self.guard.config.ladder, pools=info.pool_names,
+            num_buckets=len(info.buckets),
+            totals=tuple(int(t) for t in meta.get("totals", TOTAL_LADDER)),
+            shares=tuple(float(s) for s in meta.get("shares", SHARE_LADDER)))
+        if self._codec.nvec != self.artifact.nvec:
+            raise ArtifactError(f"policy's action head {self.artifact.nvec} does not match "
+                                f"its {self.action_kind} action space {self._codec.nvec}")
+        self._held = None
+        self._ticks = 0
 
     def propose(self, stats: DeploymentStats | None) -> ControlAction:
-        assert self._builder is not None and self._codec is not None, "reset() first"
-        obs = (self._builder.initial() if stats is None
-               else self._builder.build(stats, self.guard.flags()))
-        return self._codec.decode(self.artifact.act(obs))
+        if self._builder is None or self._codec is None:
+            raise RuntimeError("propose() before reset()")
+        if stats is None:
+            self._held = self._codec.decode(self.artifact.act(self._builder.initial()))
+            return self._held
+        # The observation is built every tick (its smoothed rates need every tick); the
+        # policy acts every decision_ticks ticks and its proposal holds in between.
+        obs = self._builder.build(stats, self.guard.flags())
+        self._ticks += 1
+        if self._held is None or (self._ticks - 1) % self.decision_ticks == 0:
+            self._held = self._codec.decode(self.artifact.act(obs))
+        return self._held
+
+    def guard_flags(self) -> tuple[float, ...]:
+        return self.guard.flags()
 
 
 def ppo_factory(arg: str) -> PpoController:

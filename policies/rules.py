@@ -1,6 +1,6 @@
-"""Rule controllers: the tuning guide's playbook, AIMD on P99, and a random policy.
+"""Rule controllers: the tuning guide's playbook, AIMD on P99, a random policy, and fixed caps.
 
-All three propose an action and pass it through the same :class:`~rlbatch.control.guard.Guard` the
+All of them propose an action and pass it through the same :class:`~rlbatch.control.guard.Guard` the
 PPO agent learns behind; ``guard_overrides_total`` counts what the guard changed.
 """
 
@@ -200,3 +200,84 @@ def random_factory(arg: str) -> RandomController:
             from None
     return RandomController(seed)
 
+
+
+class FixedController(GuardedController):
+    """``fixed:CAPS[:OPTION...]``: fixed caps behind the guard (see :func:`fixed_factory`).
+
+    :param name: the command-line name.
+    :param caps: per-bucket caps (``None`` = no per-bucket cap); ``None`` = every bucket
+        uncapped (a total cap alone).
+    :param total: engine-wide cap (``max_num_seqs``); ``None`` keeps the engine default.
+    :param guard: guard configuration.
+    """
+
+    def __init__(self, name: str, caps: tuple[int | None, ...] | None, total: int | None,
+                 guard: GuardConfig | None = None) -> None:
+        super().__init__(name, guard)
+        self.caps = caps
+        self.total = total
+
+    def on_reset(self, info: DeploymentInfo) -> None:
+        if self.caps is not None and len(self.caps) != len(info.buckets):
+            raise ValueError(f"{self.name}: {len(self.caps)} bucket caps given, the deployment "
+                             f"has {len(info.buckets)} buckets")
+
+    def propose(self, stats: DeploymentStats | None) -> ControlAction:
+        assert self.info is not None
+        n = len(self.info.buckets)
+        caps = self.caps if self.caps is not None else (None,) * n
+        return ControlAction(caps, (self.info.pool_names[0],) * n, self.total)
+
+
+_SWITCHABLE = ("warmup", "kv_high", "p99", "efficiency", "kv_budget")
+_FALLBACKS = ("proportional", "halve", "no_batching")
+
+
+def fixed_factory(arg: str) -> FixedController:
+    """``fixed:CAPS[:OPTION...]``: the same caps every tick, behind the (default) guard.
+
+    ``CAPS`` is either
+    - ``N``: a total cap of N running sequences (``max_num_seqs=N``, no per-bucket cap: the
+      same action as ``static:N``, but guarded);
+    - ``A/B/C/D`` (or ``A,B,C,D`` where commas do not separate controllers): one cap per
+      bucket, ``-`` for a bucket without cap; ``A/B/C/D@N`` adds a total cap N.
+
+    Each ``OPTION`` changes the guard: ``no<rule>`` switches a rule off (``nowarmup``,
+    ``nokv_high``, ``nop99``, ``noefficiency``, ``nokv_budget``), ``unguarded`` switches them
+    all off (sanitising stays), ``proportional`` / ``halve`` / ``no_batching`` choose the
+    P99 fallback. Examples: ``fixed:64``, ``fixed:64/64/64/64``, ``fixed:64:nop99``,
+    ``fixed:64/64/64/64:halve``, ``fixed:32/32/8/8@48``.
+    """
+    spec, *options = arg.split(":")
+    usage = "e.g. fixed:64, fixed:64/64/64/64, fixed:64/-/8/8@48, fixed:64:nop99"
+    if not spec:
+        raise ValueError(f"fixed needs caps, {usage}; got fixed:{arg}")
+    caps_text, at, total_text = spec.partition("@")
+    try:
+        parts = caps_text.replace(",", "/").split("/")
+        if len(parts) == 1 and not at:
+            caps: tuple[int | None, ...] | None = None
+            total: int | None = int(parts[0])
+        else:
+            caps = tuple(None if p.strip() == "-" else int(p) for p in parts)
+            total = int(total_text) if at else None
+    except ValueError:
+        raise ValueError(f"fixed caps must be integers ('-' = no bucket cap), {usage}; got "
+                         f"fixed:{arg}") from None
+    if (total is not None and total < 1) or any(c is not None and c < 1 for c in caps or ()):
+        raise ValueError(f"fixed caps must be >= 1, got fixed:{arg}")
+    changes: dict[str, object] = {}
+    for option in options:
+        if option == "unguarded":
+            changes.update(dict.fromkeys(_SWITCHABLE, False))
+        elif option.startswith("no") and option[2:] in _SWITCHABLE:
+            changes[option[2:]] = False
+        elif option in _FALLBACKS:
+            changes["p99_fallback"] = option
+        else:
+            raise ValueError(f"unknown fixed option {option!r} in fixed:{arg}; options: "
+                             f"{', '.join('no' + r for r in _SWITCHABLE)}, unguarded, "
+                             f"{', '.join(_FALLBACKS)}")
+    guard = GuardConfig(**changes)  # type: ignore[arg-type]
+    return FixedController(f"fixed:{arg}", caps, total, guard)

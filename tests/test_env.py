@@ -19,6 +19,7 @@ SHORT = {"episode_s": 60.0, "drain_s": 20.0}
     {"scenario": "night"},
     {"scenario": "mixed"},
     {"scenario": "day", "pools": "fp16:1,fp8:1"},
+    {"scenario": "mixed", "action_kind": "total_share", "obs_version": 2, "decision_ticks": 5},
 ])
 def test_registered_env_passes_checkers(kwargs: dict[str, object]) -> None:
     env = gym.make(envs.ENV_ID, **SHORT, **kwargs)
@@ -26,8 +27,9 @@ def test_registered_env_passes_checkers(kwargs: dict[str, object]) -> None:
     sb3_check_env(gym.make(envs.ENV_ID, **SHORT, **kwargs).unwrapped, warn=True)
 
 
-def _rollout(seed: int, steps: int = 80) -> list[tuple[np.ndarray, float, bool]]:
-    env = gym.make(envs.ENV_ID, scenario="mixed", **SHORT)
+def _rollout(seed: int, steps: int = 80,
+             **kwargs: object) -> list[tuple[np.ndarray, float, bool]]:
+    env = gym.make(envs.ENV_ID, scenario="mixed", **SHORT, **kwargs)
     env.action_space.seed(seed)
     obs, _ = env.reset(seed=seed)
     out = [(obs, 0.0, False)]
@@ -40,8 +42,10 @@ def _rollout(seed: int, steps: int = 80) -> list[tuple[np.ndarray, float, bool]]
     return out
 
 
-def test_same_seed_identical_rollouts() -> None:
-    a, b = _rollout(3), _rollout(3)
+@pytest.mark.parametrize("kwargs", [
+    {}, {"action_kind": "total_share", "obs_version": 2, "decision_ticks": 3}])
+def test_same_seed_identical_rollouts(kwargs: dict[str, object]) -> None:
+    a, b = _rollout(3, **kwargs), _rollout(3, **kwargs)
     assert len(a) == len(b)
     for (oa, ra, ta), (ob, rb, tb) in zip(a, b, strict=True):
         np.testing.assert_array_equal(oa, ob)
@@ -78,9 +82,9 @@ def test_info_carries_reward_parts_that_sum_to_reward() -> None:
     for _ in range(20):
         _, reward, _, _, info = env.step(env.action_space.sample())
         assert reward == pytest.approx(sum(info["reward_parts"].values()))
-        assert set(info["reward_parts"]) == {"goodput", "sla_miss", "late_queue", "preemption",
-                                             "kv_overflow", "guard", "fp8_quality",
-                                             "fairness"}
+        assert set(info["reward_parts"]) == {"goodput", "sla_miss", "unfinished",
+                                             "late_queue", "preemption", "kv_overflow",
+                                             "guard", "fp8_quality", "fairness"}
 
 
 def test_guard_applies_inside_env() -> None:

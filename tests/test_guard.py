@@ -60,17 +60,19 @@ def deployment_stats(draw: st.DrawFn) -> DeploymentStats:
 
 proposals = st.one_of(
     st.none(),
-    st.builds(lambda caps, pools: ControlAction(caps, pools),
+    st.builds(lambda caps, pools, total: ControlAction(caps, pools, total),
               st.tuples(*[st.one_of(st.none(), st.integers(1, 10**9))] * 4),
-              st.tuples(*[st.sampled_from(["fp16", "fp8", "fp4", ""])] * 4)))
+              st.tuples(*[st.sampled_from(["fp16", "fp8", "fp4", ""])] * 4),
+              st.one_of(st.none(), st.integers(1, 10**9))))
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(proposals, st.one_of(st.none(), deployment_stats())), min_size=1,
-                max_size=6))
+                max_size=6), st.sampled_from(["proportional", "halve", "no_batching"]))
 def test_guard_output_is_always_safe_and_deterministic(
-        sequence: list[tuple[ControlAction | None, DeploymentStats | None]]) -> None:
-    config = GuardConfig()
+        sequence: list[tuple[ControlAction | None, DeploymentStats | None]],
+        fallback: str) -> None:
+    config = GuardConfig(p99_fallback=fallback)  # type: ignore[arg-type]
     a, b = Guard(config), Guard(config)
     a.reset(INFO)
     b.reset(INFO)
@@ -79,8 +81,16 @@ def test_guard_output_is_always_safe_and_deterministic(
         out_b, over_b = b.check(proposed, stats)
         assert out_a == out_b and over_a == over_b
         assert len(out_a.caps) == 4
-        for cap in out_a.caps:
-            assert cap is not None and 1 <= cap <= config.max_cap
+        total = out_a.max_num_seqs
+        # the proposal's total stays (clamped, only ever lowered); none stays none
+        if proposed is None or proposed.max_num_seqs is None:
+            assert total is None
+        else:
+            assert total is not None and 1 <= total <= min(proposed.max_num_seqs,
+                                                           config.max_total_cap)
+        for cap in out_a.caps:  # an uncapped bucket within a total is capped at the total
+            assert cap is not None and 1 <= cap <= (config.max_cap if total is None
+                                                    else max(config.max_cap, total))
         assert set(out_a.pools) <= {"fp16", "fp8"}
         assert out_a.kv_budget_fraction == config.kv_budget_fraction
         assert all(o.rule in RULES for o in over_a)
@@ -134,9 +144,14 @@ def test_ttft_breach_ignored_by_default_watched_when_asked() -> None:
     default = Guard(GuardConfig(warmup=False))
     default.reset(INFO)
     assert default.check(PROPOSED, _stats(10, ttft_p99=9.0))[0].caps[0] == 64
-    strict = Guard(GuardConfig(warmup=False, p99_metrics=("ttft", "tpot")))
+    strict = Guard(GuardConfig(warmup=False, p99_metrics=("ttft", "tpot"), p99_fallback="halve"))
     strict.reset(INFO)
     assert strict.check(PROPOSED, _stats(10, ttft_p99=9.0))[0].caps[0] == 16
+    # proportional: nothing arrived, nothing occupied, iterations fast: no bucket to blame
+    proportional = Guard(GuardConfig(warmup=False, p99_metrics=("ttft", "tpot")))
+    proportional.reset(INFO)
+    action, overrides = proportional.check(PROPOSED, _stats(10, ttft_p99=9.0))
+    assert action.caps == PROPOSED.caps and not overrides
 
 
 def test_low_efficiency_shrinks_caps() -> None:
@@ -180,7 +195,7 @@ def test_guard_keeps_random_policy_free_of_kv_overflow_on_traces(
 
 
 def test_p99_decrease_waits_for_the_window_to_show_its_effect() -> None:
-    guard = Guard(GuardConfig(warmup=False, p99_cooldown_s=10))
+    guard = Guard(GuardConfig(warmup=False, p99_cooldown_s=10, p99_fallback="halve"))
     guard.reset(INFO)
     caps = [guard.check(PROPOSED, _stats(t, tpot_p99=0.5, caps=(64,) * 4))[0].caps[0]
             for t in range(10, 31)]

@@ -152,3 +152,93 @@ def test_same_stream_same_stats() -> None:
         return out
 
     assert run() == run()
+
+
+# ---------------------------------------------------------------- TTFT-deadline accounting
+# SLA TTFT 2 s, 10 ms steps: a 300-token request holds the engine for exactly 3 s.
+
+@pytest.mark.parametrize(("caps", "max_num_seqs"), [
+    ((1, 1, 1), None),     # the two late ones wait in the admission queue
+    ((None,) * 3, 1),      # ... or inside the engine (engine-wide cap of 1)
+])
+def test_doomed_counted_exactly_once_in_the_tick_their_deadline_passes(
+        caps: tuple[int | None, ...], max_num_seqs: int | None) -> None:
+    requests = [Request(i, 0.0, 10, 300) for i in range(3)]
+    action = ControlAction(caps, ("fp16",) * 3, max_num_seqs=max_num_seqs)
+    loop = ControlLoop(_deployment(), requests, action, drain_s=60.0)
+    doomed: list[tuple[int, ...]] = []
+    pending: list[tuple[int, ...]] = []
+    while not loop.finished:
+        s = loop.tick()
+        doomed.append(s.doomed)
+        pending.append(s.doomed_pending)
+    # tick 5 ends at 2.5 s, the first tick time past the deadline (0 + 2 s); request 0 had
+    # its first token at 0.01 s, requests 1 and 2 none yet: both doomed then, never again
+    assert doomed[4] == (2, 0, 0)
+    assert sum(d[0] for d in doomed) == 2 and all(d[1:] == (0, 0) for d in doomed)
+    # request 1 finishes at 6.0 s (tick 12), request 2 at 9.0 s (tick 18)
+    assert pending[4] == pending[10] == (2, 0, 0)
+    assert pending[11] == pending[16] == (1, 0, 0) and pending[17] == (0, 0, 0)
+    assert sorted(r.ttft_s > 2.0 for r in loop.records) == [False, True, True]
+    assert loop.unfinished_by_bucket() == loop.unbooked_by_bucket() == (0, 0, 0)
+
+
+def test_a_late_completion_is_not_doomed_again() -> None:
+    # a 1-token request behind a 3 s one: its only token (and completion) comes at 3.01 s,
+    # in the tick ending 3.5 s; the tick ending 2.5 s already doomed it
+    requests = [Request(0, 0.0, 10, 300), Request(1, 0.0, 10, 1)]
+    loop = ControlLoop(_deployment(), requests, _action((1, 1, 1)), drain_s=60.0)
+    total = [0, 0, 0]
+    while not loop.finished:
+        for b, n in enumerate(loop.tick().doomed):
+            total[b] += n
+    assert total == [1, 0, 0]
+    late = [r for r in loop.records if r.request_id == 1]
+    assert late[0].ttft_s > 2.0
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.lists(request_st, min_size=1, max_size=25),
+       caps=st.tuples(*(st.one_of(st.none(), st.integers(1, 3)),) * 3),
+       n_engines=st.integers(1, 2))
+def test_every_ttft_miss_is_doomed_once(rows: list[tuple[float, int, int]],
+                                        caps: tuple[int | None, ...], n_engines: int) -> None:
+    requests = [Request(i, t, p, o) for i, (t, p, o) in enumerate(sorted(rows))]
+    loop = ControlLoop(_deployment(n_engines), requests, _action(caps), drain_s=60.0)
+    doomed = [0, 0, 0]
+    while not loop.finished:
+        s = loop.tick()
+        for b, n in enumerate(s.doomed):
+            doomed[b] += n
+        assert s.deadlines_tracked
+        # everything doomed so far either finished late or is still pending
+        late_done = [0, 0, 0]
+        for r in loop.records:
+            if not r.rejected and r.ttft_s > loop.info.sla.ttft_s:
+                late_done[r.bucket] += 1
+        assert [d - p for d, p in zip(doomed, s.doomed_pending, strict=True)] == late_done
+    assert loop.unfinished_by_bucket() == (0, 0, 0)
+
+
+def test_unfinished_at_the_end_split_into_doomed_and_unbooked() -> None:
+    requests = [Request(i, 0.0, 10, 300) for i in range(5)] + [Request(5, 2.9, 100, 300)]
+    loop = ControlLoop(_deployment(), requests, _action((1, 1, 1)), drain_s=0.1)
+    while not loop.finished:
+        s = loop.tick()
+    assert loop.time_s == 3.0
+    # request 0 finished at 3.0 s; 1-4 queued since 0 s (doomed); 5 arrived at 2.9 s and
+    # runs in bucket 1 (not doomed yet)
+    assert [r.request_id for r in loop.records] == [0]
+    assert loop.unfinished_by_bucket() == (4, 1, 0)
+    assert s.doomed_pending == (4, 0, 0)
+    assert loop.unbooked_by_bucket() == (0, 1, 0)
+
+
+def test_deadlines_not_tracked_without_a_stream() -> None:
+    source = _LiveSource()
+    loop = ControlLoop(source, None, _action((1, 1, 1)), keep_records=False)
+    source.admission.submit(Request(0, 0.0, 10, 5))
+    s = loop.tick(now_s=10.0)
+    assert s.doomed == () and not s.deadlines_tracked and source.admission.accepted is None
+    with pytest.raises(ValueError, match="track"):
+        loop.unbooked_by_bucket()

@@ -5,34 +5,50 @@ switched off and re-parameterised. ``Guard.check(proposed, stats)`` returns
 ``(safe_action, overrides)``: the same code runs behind PPO in the Gymnasium env, behind the
 rule controllers in evaluation, and in the sidecar.
 
+Two levers: per-bucket caps and the engine-wide total (``max_num_seqs``). A proposal without
+a total (``max_num_seqs=None``: the engine default) keeps the original behaviour: a bucket
+without a cap gets the ladder max, and the rules lower per-bucket caps. A proposal with a
+total keeps it (within ``[1, max_total_cap]``) and its uncapped buckets stay uncapped
+(unlimited within the total); every limiting rule then lowers the total too, the only lever
+when no bucket has a cap.
+
 Rules, applied in this order to the proposed caps (each only ever lowers a cap):
 
 ``sanitize``
-    caps outside ``[1, ladder max]`` (or missing) are clamped, unknown pools replaced by the
-    first pool: whatever a policy emits, the result is a valid action.
+    caps outside ``[1, ladder max]``, a total outside ``[1, max_total_cap]``, or a missing
+    proposal are clamped, unknown pools replaced by the first pool: whatever a policy emits,
+    the result is a valid action.
 ``warmup``
-    for the first ``warmup_s`` (5 min) after an engine start caps start at
+    for the first ``warmup_s`` (5 min) after an engine start caps (and the total) start at
     ``warmup_start_cap`` (4) and may grow by ``warmup_step`` (4) per ``warmup_step_s``
     (1 min). Applies when the deployment reports a cold start (``DeploymentInfo.cold_start``:
     live engines; simulated runs only with ``--cold-start``, since simulated engines are warm
     from t=0 and trace slices start mid-service).
 ``kv_high``
     KV cache usage above ``kv_high_threshold`` (80%) for ``kv_high_duration_s`` (10 s)
-    halves every cap in force, again for every further period it stays high; released when
-    usage falls back below the threshold. (KV usage, not nvidia-smi memory: vLLM
+    halves every cap in force (and the total), again for every further period it stays high;
+    released when usage falls back below the threshold. (KV usage, not nvidia-smi memory: vLLM
     pre-allocates its pool, so device memory sits near ``gpu_memory_utilization`` whatever
     the load.)
 ``p99``
-    a sliding-window P99 above the SLA falls back: by default a multiplicative decrease
-    (halve the caps in force, floor ``p99_floor_cap``; at most once per ``p99_cooldown_s``
-    so the window can show the effect), held until the P99 has been back
-    within SLA for ``p99_hold_s``; ``p99_fallback="no_batching"`` is the guide's literal
-    "fall back to no batching" (cap 1). By default the rule watches TPOT, the latency a batch
-    size inflates; TTFT breaches under overload come from queueing, where shrinking caps only
-    lowers throughput (``p99_metrics`` adds ``ttft``).
+    a sliding-window P99 above the SLA falls back, at most once per ``p99_cooldown_s`` (the
+    window needs time to show the effect). By default the rule watches TPOT, the latency a
+    batch size inflates; TTFT breaches under overload come from queueing, where shrinking
+    caps only lowers throughput (``p99_metrics`` adds ``ttft``). Fallbacks:
+
+    - ``proportional`` (default) acts where the breach comes from
+      (:mod:`rlbatch.control.p99_trim`): it trims the buckets whose prompts are long against
+      the traffic (their prefills slow every decode) in proportion to the overshoot, or the
+      total when the batch itself is too slow, and nothing when the tail comes from the
+      traffic's own bulk (no cap removes that without queueing it); back within SLA the
+      limits grow back by ``p99_recover_step`` per ``p99_cooldown_s``: no cliff.
+    - ``halve``: multiplicative decrease of every cap in force (and the total), floor
+      ``p99_floor_cap``, held until the P99 has been back within SLA for ``p99_hold_s``.
+    - ``no_batching``: the guide's literal "fall back to no batching" (cap 1, total 1), held
+      like ``halve``.
 ``efficiency``
     batch efficiency (useful / computed tokens: preemption recompute is waste) below
-    ``efficiency_threshold`` (70%) shrinks caps by ``efficiency_factor``.
+    ``efficiency_threshold`` (70%) shrinks caps (and the total) by ``efficiency_factor``.
 ``kv_budget``
     admission keeps the committed KV (prompt + max output of admitted requests) within
     ``kv_budget_fraction`` of the KV pool (80%: the guide's >= 20% headroom for growth; on
@@ -47,20 +63,25 @@ are counted in every evaluation row.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rlbatch.control.p99_trim import ProportionalTrim, nominal_lengths
 from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats
 
 DEFAULT_LADDER: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 RULES: tuple[str, ...] = ("sanitize", "warmup", "kv_high", "p99", "efficiency", "kv_budget")
+P99_FALLBACKS: tuple[str, ...] = ("proportional", "halve", "no_batching")
+Caps = list[int | None]
 
 
 @dataclass(frozen=True)
 class GuardConfig:
     """Every rule switchable and parameterised; defaults are the tuning guide's numbers.
 
-    :param ladder: the cap ladder; caps are kept within ``[1, max(ladder)]``.
+    :param ladder: the cap ladder; per-bucket caps are kept within ``[1, max(ladder)]``.
+    :param max_total_cap: the largest total (``max_num_seqs``) a proposal may set.
     :param warmup: enable the warm-up ramp.
     :param warmup_s: length of the ramp.
     :param warmup_start_cap: cap at start.
@@ -71,12 +92,18 @@ class GuardConfig:
     :param kv_high_duration_s: how long it must stay high before caps are halved.
     :param p99: enable the P99 fallback.
     :param p99_metrics: latencies watched: ``tpot`` and/or ``ttft``.
-    :param p99_fallback: ``halve`` (multiplicative decrease) or ``no_batching`` (cap 1).
+    :param p99_fallback: ``proportional`` (trim where the breach comes from), ``halve``
+        (multiplicative decrease of every cap) or ``no_batching`` (cap 1).
     :param p99_floor_cap: lowest cap the ``halve`` fallback goes to.
-    :param p99_hold_s: P99 must be back within SLA this long before the fallback lifts.
+    :param p99_hold_s: ``halve`` / ``no_batching``: P99 must be back within SLA this long
+        before the fallback lifts.
     :param p99_cooldown_s: after a decrease, wait this long before decreasing again: the
         window P99 needs time to show the effect of smaller caps (halving every tick on a
         30 s window drives caps to the floor before the first decrease is even visible).
+    :param p99_long_ratio: ``proportional``: a bucket is trimmed for a TPOT breach when its
+        nominal prompt length is at least this multiple of the traffic's mean.
+    :param p99_recover_step: ``proportional``: how much each trimmed limit grows per tick
+        once the P99 is back within SLA.
     :param efficiency: enable the batch-efficiency monitor.
     :param efficiency_threshold: efficiency below which caps shrink.
     :param efficiency_factor: multiplier applied to the caps in force.
@@ -87,6 +114,7 @@ class GuardConfig:
     """
 
     ladder: tuple[int, ...] = DEFAULT_LADDER
+    max_total_cap: int = 256
     warmup: bool = True
     warmup_s: float = 300.0
     warmup_start_cap: int = 4
@@ -97,10 +125,12 @@ class GuardConfig:
     kv_high_duration_s: float = 10.0
     p99: bool = True
     p99_metrics: tuple[str, ...] = ("tpot",)
-    p99_fallback: Literal["halve", "no_batching"] = "halve"
+    p99_fallback: Literal["proportional", "halve", "no_batching"] = "proportional"
     p99_floor_cap: int = 4
     p99_hold_s: float = 30.0
     p99_cooldown_s: float = 10.0
+    p99_long_ratio: float = 2.0
+    p99_recover_step: int = 1
     efficiency: bool = True
     efficiency_threshold: float = 0.7
     efficiency_factor: float = 0.75
@@ -114,6 +144,8 @@ class GuardConfig:
                 set(self.ladder)):
             raise ValueError(f"ladder must be strictly increasing positive ints, got "
                              f"{self.ladder}")
+        if self.max_total_cap < 1:
+            raise ValueError(f"max_total_cap must be >= 1, got {self.max_total_cap}")
         for name in ("warmup_s", "warmup_step_s", "kv_high_duration_s", "p99_hold_s",
                      "p99_cooldown_s"):
             if not getattr(self, name) >= 0:
@@ -132,11 +164,15 @@ class GuardConfig:
         if set(self.p99_metrics) - {"ttft", "tpot"}:
             raise ValueError(f"p99_metrics must be among ('ttft', 'tpot'), got "
                              f"{self.p99_metrics}")
-        if self.p99_fallback not in ("halve", "no_batching"):
-            raise ValueError(f"p99_fallback must be 'halve' or 'no_batching', got "
+        if self.p99_fallback not in P99_FALLBACKS:
+            raise ValueError(f"p99_fallback must be one of {P99_FALLBACKS}, got "
                              f"{self.p99_fallback!r}")
         if self.p99_floor_cap < 1:
             raise ValueError(f"p99_floor_cap must be >= 1, got {self.p99_floor_cap}")
+        if not self.p99_long_ratio >= 1:
+            raise ValueError(f"p99_long_ratio must be >= 1, got {self.p99_long_ratio}")
+        if self.p99_recover_step < 1:
+            raise ValueError(f"p99_recover_step must be >= 1, got {self.p99_recover_step}")
         if self.over_length not in ("truncate", "reject"):
             raise ValueError(f"over_length must be 'truncate' or 'reject', got "
                              f"{self.over_length!r}")
@@ -148,10 +184,10 @@ class GuardConfig:
 
 @dataclass(frozen=True)
 class Override:
-    """One rule lowering (or fixing) one bucket's cap or pool.
+    """One rule lowering (or fixing) one bucket's cap or pool, or the total.
 
     :param rule: the rule's name (one of ``RULES``).
-    :param bucket: bucket index, ``None`` for a deployment-wide effect.
+    :param bucket: bucket index, ``None`` for a deployment-wide effect (the total cap).
     :param before: value proposed.
     :param after: value enforced.
     """
@@ -164,19 +200,31 @@ class Override:
 
 @dataclass
 class GuardState:
-    """What the guard remembers between ticks (exposed for observation flags)."""
+    """What the guard remembers between ticks (exposed for observation flags).
+
+    A ``*_limit`` holds one limit per bucket (``None``: no limit on that bucket), a
+    ``*_total`` the limit on the total (``None``: none).
+    """
 
     kv_high_since_s: float | None = None
     kv_high_halvings: int = 0
-    kv_high_limit: tuple[int, ...] | None = None
+    kv_high_limit: tuple[int | None, ...] | None = None
+    kv_high_total: int | None = None
     p99_active: bool = False
     p99_ok_since_s: float | None = None
     p99_decreased_at_s: float | None = None
-    p99_limit: tuple[int, ...] | None = None
+    p99_limit: tuple[int | None, ...] | None = None
+    p99_total: int | None = None
     efficiency_active: bool = False
     warmup_active: bool = False
     kv_budget_blocked: bool = False
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RULES, 0))
+
+
+def _scale(values: Sequence[int | None], fn: Callable[[int], int]) -> tuple[int | None, ...]:
+    """``fn`` applied to every limit; ``None`` (no limit) stays ``None``."""
+    return tuple(None if v is None else fn(v) for v in values)
+
 
 
 class Guard:
@@ -193,6 +241,7 @@ class Guard:
         self._sla_ttft_s = 2.0
         self._sla_tpot_s = 0.1
         self._cold_start = True
+        self._trim = self._new_trim((512.0, 1536.0, 3072.0, 6144.0))
 
     def reset(self, info: DeploymentInfo) -> None:
         """Start of a run: forget all state."""
@@ -202,6 +251,13 @@ class Guard:
         self._sla_ttft_s = info.sla.ttft_s
         self._sla_tpot_s = info.sla.tpot_s
         self._cold_start = info.cold_start
+        self._trim = self._new_trim(nominal_lengths(info))
+
+    def _new_trim(self, lengths: tuple[float, ...]) -> ProportionalTrim:
+        cfg = self.config
+        return ProportionalTrim(lengths, self._sla_tpot_s, cfg.p99_long_ratio,
+                                cfg.p99_recover_step, cfg.p99_hold_s, cfg.p99_cooldown_s,
+                                cfg.max_total_cap)
 
     @property
     def overrides_total(self) -> int:
@@ -225,10 +281,10 @@ class Guard:
         cfg = self.config
         n = self._n_buckets
         overrides: list[Override] = []
-        caps, pools = self._sanitize(proposed, overrides)
+        caps, total, pools = self._sanitize(proposed, overrides)
         t = stats.time_s if stats is not None and math.isfinite(stats.time_s) else 0.0
         t = max(t, 0.0)
-        in_force = self._in_force_caps(stats, caps)
+        in_force, in_total = self._in_force(stats, caps, total)
 
         # warm-up ramp
         self.state.warmup_active = False
@@ -236,15 +292,19 @@ class Guard:
             steps = int(t // cfg.warmup_step_s) if cfg.warmup_step_s > 0 else 0
             limit = min(cfg.max_cap, cfg.warmup_start_cap + cfg.warmup_step * steps)
             self.state.warmup_active = True
-            caps = self._limit(caps, (limit,) * n, "warmup", overrides)
+            per_bucket = tuple(None if c is None else limit for c in caps)
+            caps, total = self._limit(caps, total, per_bucket, limit, "warmup", overrides)
 
         if stats is not None:
+            self._trim.observe(stats)
             if cfg.kv_high:
-                caps = self._kv_high(stats, t, caps, in_force, overrides)
+                caps, total = self._kv_high(stats, t, caps, total, in_force, in_total,
+                                            overrides)
             if cfg.p99:
-                caps = self._p99(stats, t, caps, in_force, overrides)
+                caps, total = self._p99(stats, t, caps, total, in_force, in_total, overrides)
             if cfg.efficiency:
-                caps = self._efficiency(stats, caps, in_force, overrides)
+                caps, total = self._efficiency(stats, caps, total, in_force, in_total,
+                                               overrides)
             self.state.kv_budget_blocked = bool(stats.kv_budget_blocked) and cfg.kv_budget
             if self.state.kv_budget_blocked:
                 overrides.append(Override("kv_budget", None, None, None))
@@ -252,20 +312,35 @@ class Guard:
         for o in overrides:
             self.state.counts[o.rule] += 1
         budget = cfg.kv_budget_fraction if cfg.kv_budget else None
-        return ControlAction(tuple(caps), tuple(pools), None, budget), overrides
+        if budget is not None and total is not None:
+            # Uncapped buckets would go straight into the engines, past the KV budget: cap
+            # them at the total instead (the same limit, through admission and its budget).
+            caps = [total if c is None else c for c in caps]
+        assert len(caps) == n
+        return ControlAction(tuple(caps), tuple(pools), total, budget), overrides
 
     # ------------------------------------------------------------------ rules
     def _sanitize(self, proposed: ControlAction | None,
-                  overrides: list[Override]) -> tuple[list[int], list[str]]:
+                  overrides: list[Override]) -> tuple[Caps, int | None, list[str]]:
         cfg = self.config
         n = self._n_buckets
         if proposed is None or len(proposed.caps) != n:
             overrides.append(Override("sanitize", None, None, cfg.warmup_start_cap))
-            return [min(cfg.max_cap, cfg.warmup_start_cap)] * n, [self._pools[0]] * n
-        caps: list[int] = []
+            return [min(cfg.max_cap, cfg.warmup_start_cap)] * n, None, [self._pools[0]] * n
+        total = proposed.max_num_seqs
+        if total is not None:
+            safe_total = min(max(int(total), 1), cfg.max_total_cap)
+            if safe_total != total:
+                overrides.append(Override("sanitize", None, total, safe_total))
+            total = safe_total
+        caps: Caps = []
         pools: list[str] = []
         for b, (cap, pool) in enumerate(zip(proposed.caps, proposed.pools, strict=True)):
-            safe_cap = cfg.max_cap if cap is None else min(max(int(cap), 1), cfg.max_cap)
+            safe_cap: int | None
+            if cap is None:  # within a total: unlimited; else the original ladder max
+                safe_cap = None if total is not None else cfg.max_cap
+            else:
+                safe_cap = min(max(int(cap), 1), cfg.max_cap)
             if safe_cap != cap:
                 overrides.append(Override("sanitize", b, cap, safe_cap))
             safe_pool = pool if pool in self._pools else self._pools[0]
@@ -273,86 +348,118 @@ class Guard:
                 overrides.append(Override("sanitize", b, pool, safe_pool))
             caps.append(safe_cap)
             pools.append(safe_pool)
-        return caps, pools
+        return caps, total, pools
 
-    def _in_force_caps(self, stats: DeploymentStats | None, fallback: list[int]) -> list[int]:
+    def _in_force(self, stats: DeploymentStats | None, caps: Caps,
+                  total: int | None) -> tuple[Caps, int | None]:
+        """The caps and total of the action in force during the last tick (an uncapped
+        bucket counts as the ladder max unless a total was in force)."""
         if stats is None or len(stats.action.caps) != self._n_buckets:
-            return list(fallback)
-        return [self.config.max_cap if c is None else c for c in stats.action.caps]
+            return list(caps), total
+        in_total = stats.action.max_num_seqs
+        if in_total is not None:
+            return list(stats.action.caps), in_total
+        return [self.config.max_cap if c is None else c for c in stats.action.caps], None
 
-    def _limit(self, caps: list[int], limit: tuple[int, ...] | list[int], rule: str,
-               overrides: list[Override]) -> list[int]:
-        out = []
+    def _limit(self, caps: Caps, total: int | None, limit: Sequence[int | None],
+               limit_total: int | None, rule: str,
+               overrides: list[Override]) -> tuple[Caps, int | None]:
+        out: Caps = []
         for b, (cap, lim) in enumerate(zip(caps, limit, strict=True)):
-            if cap > lim:
+            # an uncapped bucket is bound by the total alone: a limit at or above it is none
+            unbound = total if cap is None else cap
+            if lim is not None and (unbound is None or unbound > lim):
                 overrides.append(Override(rule, b, cap, lim))
                 cap = lim
             out.append(cap)
-        return out
+        if limit_total is not None and total is not None and total > limit_total:
+            overrides.append(Override(rule, None, total, limit_total))
+            total = limit_total
+        return out, total
 
-    def _kv_high(self, stats: DeploymentStats, t: float, caps: list[int], in_force: list[int],
-                 overrides: list[Override]) -> list[int]:
+    def _kv_high(self, stats: DeploymentStats, t: float, caps: Caps, total: int | None,
+                 in_force: Caps, in_total: int | None,
+                 overrides: list[Override]) -> tuple[Caps, int | None]:
         cfg = self.config
         st = self.state
         usage = stats.kv_cache_usage_max
         high = not (usage <= cfg.kv_high_threshold)  # NaN counts as high
         if not high:
-            st.kv_high_since_s, st.kv_high_halvings, st.kv_high_limit = None, 0, None
-            return caps
+            st.kv_high_since_s, st.kv_high_halvings = None, 0
+            st.kv_high_limit, st.kv_high_total = None, None
+            return caps, total
         if st.kv_high_since_s is None:
             st.kv_high_since_s = t - stats.tick_s if math.isfinite(stats.tick_s) else t
         held = t - st.kv_high_since_s
         due = int(held // cfg.kv_high_duration_s) if cfg.kv_high_duration_s > 0 else 1
         if due > st.kv_high_halvings:
             base = st.kv_high_limit or tuple(in_force)
-            st.kv_high_limit = tuple(max(1, c // 2) for c in base)
+            base_total = st.kv_high_total if st.kv_high_limit is not None else in_total
+            st.kv_high_limit = _scale(base, lambda c: max(1, c // 2))
+            st.kv_high_total = None if base_total is None else max(1, base_total // 2)
             st.kv_high_halvings = due
         if st.kv_high_limit is None:
-            return caps
-        return self._limit(caps, st.kv_high_limit, "kv_high", overrides)
+            return caps, total
+        return self._limit(caps, total, st.kv_high_limit, st.kv_high_total, "kv_high",
+                           overrides)
 
-    def _p99(self, stats: DeploymentStats, t: float, caps: list[int], in_force: list[int],
-             overrides: list[Override]) -> list[int]:
+    def _p99(self, stats: DeploymentStats, t: float, caps: Caps, total: int | None,
+             in_force: Caps, in_total: int | None,
+             overrides: list[Override]) -> tuple[Caps, int | None]:
         cfg = self.config
         st = self.state
         w = stats.window
-        breach = False
+        overshoot = 0.0  # P99 / limit of the worst watched metric over its limit
         if "tpot" in cfg.p99_metrics and w.tpot_p99_all_s > self._sla_tpot_s:
-            breach = True
+            overshoot = w.tpot_p99_all_s / self._sla_tpot_s
         if "ttft" in cfg.p99_metrics and w.ttft_p99_all_s > self._sla_ttft_s:
-            breach = True
-        if breach:
+            overshoot = max(overshoot, w.ttft_p99_all_s / self._sla_ttft_s)
+        if cfg.p99_fallback == "proportional":
+            st.p99_limit, st.p99_total = self._trim.update(stats, t, overshoot, caps, total,
+                                                           in_force, in_total)
+            st.p99_active = st.p99_limit is not None or st.p99_total is not None
+            if st.p99_active and st.p99_limit is None:
+                st.p99_limit = (None,) * self._n_buckets
+        elif overshoot > 0:
             cooling = (st.p99_active and st.p99_decreased_at_s is not None
                        and t - st.p99_decreased_at_s < cfg.p99_cooldown_s)
             if not cooling:
                 if cfg.p99_fallback == "no_batching":
-                    limit = (1,) * self._n_buckets
+                    st.p99_limit, st.p99_total = (1,) * self._n_buckets, 1
                 else:
-                    base = st.p99_limit if st.p99_active and st.p99_limit else tuple(in_force)
-                    limit = tuple(max(min(cfg.p99_floor_cap, c), c // 2) for c in base)
-                st.p99_limit, st.p99_decreased_at_s = limit, t
+                    fresh = not (st.p99_active and st.p99_limit)
+                    base = tuple(in_force) if fresh or st.p99_limit is None else st.p99_limit
+                    base_total = in_total if fresh else st.p99_total
+                    floor = cfg.p99_floor_cap
+                    st.p99_limit = _scale(base, lambda c: max(min(floor, c), c // 2))
+                    st.p99_total = (None if base_total is None
+                                    else max(min(floor, base_total), base_total // 2))
+                st.p99_decreased_at_s = t
             st.p99_active, st.p99_ok_since_s = True, None
         elif st.p99_active:
             if st.p99_ok_since_s is None:
                 st.p99_ok_since_s = t
             if t - st.p99_ok_since_s >= cfg.p99_hold_s:
-                st.p99_active, st.p99_ok_since_s, st.p99_limit = False, None, None
-                st.p99_decreased_at_s = None
+                st.p99_active, st.p99_ok_since_s = False, None
+                st.p99_limit, st.p99_total, st.p99_decreased_at_s = None, None, None
         if st.p99_active and st.p99_limit is not None:
-            return self._limit(caps, st.p99_limit, "p99", overrides)
-        return caps
+            return self._limit(caps, total, st.p99_limit, st.p99_total, "p99", overrides)
+        return caps, total
 
-    def _efficiency(self, stats: DeploymentStats, caps: list[int], in_force: list[int],
-                    overrides: list[Override]) -> list[int]:
+    def _efficiency(self, stats: DeploymentStats, caps: Caps, total: int | None,
+                    in_force: Caps, in_total: int | None,
+                    overrides: list[Override]) -> tuple[Caps, int | None]:
         cfg = self.config
         efficiency = stats.batch_efficiency
         if math.isnan(efficiency):  # nothing computed in the tick: nothing wasted
             efficiency = 1.0
         self.state.efficiency_active = not (efficiency >= cfg.efficiency_threshold)
         if not self.state.efficiency_active:
-            return caps
-        limit = [max(1, int(c * cfg.efficiency_factor)) for c in in_force]
-        return self._limit(caps, limit, "efficiency", overrides)
+            return caps, total
+        factor = cfg.efficiency_factor
+        limit = _scale(in_force, lambda c: max(1, int(c * factor)))
+        limit_total = None if in_total is None else max(1, int(in_total * factor))
+        return self._limit(caps, total, limit, limit_total, "efficiency", overrides)
 
     def flags(self) -> tuple[float, ...]:
         """Rule activity as 0/1 floats (warmup, kv_high, p99, efficiency, kv_budget) for the

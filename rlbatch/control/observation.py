@@ -8,7 +8,7 @@ observations. Every feature is finite and clipped to ``[0, CLIP]``; NaN readings
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -43,14 +43,40 @@ GLOBAL_FEATURES: tuple[str, ...] = (
 )
 
 
-def observation_size(num_buckets: int) -> int:
-    return num_buckets * len(PER_BUCKET_FEATURES) + len(GLOBAL_FEATURES)
+TREND_PER_BUCKET_FEATURES: tuple[str, ...] = (
+    "arrival_rate_ema",  # log1p(smoothed arrivals per s) / log1p(100)
+    "departure_rate_ema",  # log1p(smoothed completions + rejections per s) / log1p(100)
+    "queue_growth",      # 0.5 + 0.5 tanh(smoothed d(queue)/dt / 5 per s): 0.5 = steady
+)
+TREND_GLOBAL_FEATURES: tuple[str, ...] = (
+    "running_total",     # requests inside engines, all buckets / TOTAL_NORM
+    "total_cap",         # engine-wide cap in force (max_num_seqs) / TOTAL_NORM
+    "load_ratio",        # log1p(smoothed arrivals / smoothed departures)
+    "doomed_rate",       # log1p(smoothed requests past their TTFT deadline per s)
+)
+OBS_VERSIONS: tuple[int, ...] = (1, 2)
+"""1: the snapshot features; 2: plus trends (smoothed rates, queue growth, totals), which
+need state across ticks."""
+TOTAL_NORM = 256.0
+TREND_TAU_S = 30.0
+"""Time constant of the smoothed rates: about the latency window."""
 
 
-def feature_names(bucket_names: tuple[str, ...]) -> list[str]:
+def observation_size(num_buckets: int, version: int = 1) -> int:
+    size = num_buckets * len(PER_BUCKET_FEATURES) + len(GLOBAL_FEATURES)
+    if version >= 2:
+        size += num_buckets * len(TREND_PER_BUCKET_FEATURES) + len(TREND_GLOBAL_FEATURES)
+    return size
+
+
+def feature_names(bucket_names: tuple[str, ...], version: int = 1) -> list[str]:
     """Name of every observation index, in order."""
     names = [f"{b}/{f}" for b in bucket_names for f in PER_BUCKET_FEATURES]
-    return names + list(GLOBAL_FEATURES)
+    names += list(GLOBAL_FEATURES)
+    if version >= 2:
+        names += [f"{b}/{f}" for b in bucket_names for f in TREND_PER_BUCKET_FEATURES]
+        names += list(TREND_GLOBAL_FEATURES)
+    return names
 
 
 @dataclass(frozen=True)
@@ -60,21 +86,44 @@ class ObservationBuilder:
     :param info: the deployment (buckets, pools, SLA).
     :param max_cap: the cap ladder's top (normaliser for caps and running counts).
     :param warmup_s: warm-up length (normaliser for the progress feature).
+    :param version: feature set (:data:`OBS_VERSIONS`); version 2 keeps smoothed rates, so
+        one builder serves one run: call :meth:`reset` at its start.
     """
 
     info: DeploymentInfo
     max_cap: int
     warmup_s: float = 300.0
+    version: int = 1
+    _trend: dict[str, list[float]] = field(default_factory=dict, init=False, repr=False,
+                                           compare=False)
+
+    def __post_init__(self) -> None:
+        if self.version not in OBS_VERSIONS:
+            raise ValueError(f"observation version must be one of {OBS_VERSIONS}, got "
+                             f"{self.version}")
+        self.reset()
 
     @property
     def size(self) -> int:
-        return observation_size(len(self.info.buckets))
+        return observation_size(len(self.info.buckets), self.version)
+
+    def reset(self) -> None:
+        """Forget the smoothed rates (start of a run)."""
+        n_b = len(self.info.buckets)
+        self._trend.clear()
+        self._trend.update(arrivals=[0.0] * n_b, departures=[0.0] * n_b,
+                           growth=[0.0] * n_b, queued=[0.0] * n_b, doomed=[0.0])
 
     def initial(self) -> np.ndarray:
         """Observation before the first tick: idle deployment, nothing measured."""
         obs = np.zeros(self.size, dtype=np.float32)
-        obs[-len(GLOBAL_FEATURES) + GLOBAL_FEATURES.index("batch_efficiency")] = 1.0
-        obs[-len(GLOBAL_FEATURES) + GLOBAL_FEATURES.index("sla_attainment")] = 1.0
+        g = len(self.info.buckets) * len(PER_BUCKET_FEATURES)
+        obs[g + GLOBAL_FEATURES.index("batch_efficiency")] = 1.0
+        obs[g + GLOBAL_FEATURES.index("sla_attainment")] = 1.0
+        if self.version >= 2:
+            total = self.info.default_max_num_seqs
+            obs[-len(TREND_GLOBAL_FEATURES) + TREND_GLOBAL_FEATURES.index("total_cap")] = (
+                min(total / TOTAL_NORM, CLIP))
         return obs
 
     def build(self, stats: DeploymentStats, guard_flags: tuple[float, ...]) -> np.ndarray:
@@ -115,6 +164,8 @@ class ObservationBuilder:
             min(stats.time_s / self.warmup_s, 1.0) if self.warmup_s > 0 else 1.0,
             *guard_flags,
         ])
+        if self.version >= 2:
+            out.extend(self._trends(stats, tick))
         raw = np.array(out, dtype=np.float64)
         # Memory readings that are not numbers must not look like an empty cache.
         g = n_b * len(PER_BUCKET_FEATURES)
@@ -122,3 +173,33 @@ class ObservationBuilder:
         memory[np.isnan(memory)] = 1.0
         np.nan_to_num(raw, copy=False, nan=0.0, posinf=CLIP, neginf=0.0)
         return np.clip(raw, 0.0, CLIP).astype(np.float32)
+
+    def _trends(self, stats: DeploymentStats, tick: float) -> list[float]:
+        tr = self._trend
+        n_b = len(self.info.buckets)
+        alpha = 1.0 - math.exp(-tick / TREND_TAU_S)
+        finished = [0] * n_b
+        for es in stats.engines:
+            for rec in es.finished:
+                if 0 <= rec.bucket < n_b:
+                    finished[rec.bucket] += 1
+        doomed = sum(stats.doomed)
+        log_r = math.log1p(100.0)
+        per_bucket: list[float] = []
+        for b in range(n_b):
+            arrivals = max(stats.arrived[b], 0) / tick
+            departures = (finished[b] + max(stats.rejected[b], 0)) / tick
+            growth = (stats.queued[b] - tr["queued"][b]) / tick
+            tr["arrivals"][b] += alpha * (arrivals - tr["arrivals"][b])
+            tr["departures"][b] += alpha * (departures - tr["departures"][b])
+            tr["growth"][b] += alpha * (growth - tr["growth"][b])
+            tr["queued"][b] = float(stats.queued[b])
+            per_bucket += [math.log1p(tr["arrivals"][b]) / log_r,
+                           math.log1p(tr["departures"][b]) / log_r,
+                           0.5 + 0.5 * math.tanh(tr["growth"][b] / 5.0)]
+        tr["doomed"][0] += alpha * (doomed / tick - tr["doomed"][0])
+        total = stats.action.max_num_seqs or self.info.default_max_num_seqs
+        arr, dep = sum(tr["arrivals"]), sum(tr["departures"])
+        ratio = arr / dep if dep > 1e-6 else (CLIP if arr > 1e-6 else 1.0)
+        return [*per_bucket, stats.running_total / TOTAL_NORM, total / TOTAL_NORM,
+                math.log1p(ratio), math.log1p(max(tr["doomed"][0], 0.0))]

@@ -143,6 +143,13 @@ class DeploymentStats:
     :param kv_budget_blocked: the KV budget held a request back during the tick.
     :param oldest_wait_s: per bucket, how long the head of its admission queue has waited
         (0 when empty).
+    :param doomed: per bucket, requests that became unable to meet the TTFT SLA in the tick:
+        their deadline (arrival + ``sla.ttft_s``) passed by the tick time without a first
+        token, whether they wait in admission or inside an engine (or an engine already
+        reported their late first token). Each request is counted once, in one tick; its
+        later completion is not a new miss. ``()`` when the loop does not track deadlines.
+    :param doomed_pending: per bucket, requests counted in ``doomed`` (this tick or before)
+        that are still unfinished at the tick time. ``()`` when not tracked.
     """
 
     time_s: float
@@ -155,6 +162,14 @@ class DeploymentStats:
     action: ControlAction
     kv_budget_blocked: bool = False
     oldest_wait_s: tuple[float, ...] = ()
+    doomed: tuple[int, ...] = ()
+    doomed_pending: tuple[int, ...] = ()
+
+    @property
+    def deadlines_tracked(self) -> bool:
+        """The loop counted TTFT-deadline misses (``doomed``) for this tick: a completion
+        that missed its TTFT was then already counted there."""
+        return len(self.doomed) > 0
 
     # ------------------------------------------------------------------ derived, per bucket
     @property

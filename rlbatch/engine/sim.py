@@ -61,6 +61,13 @@ class _Seq:
         self.first_token_s = -1.0
         self.preemptions = 0
 
+    def copy(self) -> _Seq:
+        """An independent copy (every slot, so fields added later are copied too)."""
+        new = _Seq.__new__(_Seq)
+        for name in _Seq.__slots__:
+            setattr(new, name, getattr(self, name))
+        return new
+
 
 class SimEngine:
     """One simulated vLLM V1 engine.
@@ -88,6 +95,7 @@ class SimEngine:
     _kv_overflows: int
     _peak_used_blocks: int
     _finished: list[FinishedRequest]
+    _first_tokens: list[tuple[int, float]]
 
     def __init__(
         self,
@@ -179,6 +187,39 @@ class SimEngine:
         self._waiting.append(_Seq(request, bucket, prompt_tokens, truncated))
         self._unfinished[bucket] += 1
         self._committed_tokens += prompt_tokens + request.max_output_tokens
+
+    def fork(self) -> SimEngine:
+        """An independent copy of the engine's state (the digital twin's fork): the step-time
+        model and config are shared (immutable), every sequence and counter is copied, so
+        running either one forward never changes the other. Attributes added later are
+        copied too: lists, deques, dicts and sets shallow, sequences one by one.
+        """
+        new = SimEngine.__new__(SimEngine)
+        seqs: dict[int, _Seq] = {}
+
+        def dup(value: object) -> object:
+            if isinstance(value, _Seq):
+                if id(value) not in seqs:
+                    seqs[id(value)] = value.copy()
+                return seqs[id(value)]
+            if isinstance(value, list):
+                return [dup(v) for v in value]
+            if isinstance(value, deque):
+                return deque(dup(v) for v in value)
+            if isinstance(value, dict | set):
+                return value.copy()
+            return value
+
+        for name, value in vars(self).items():
+            setattr(new, name, dup(value))
+        return new
+
+    def pending(self) -> list[tuple[int, float, float, int, int]]:
+        """Requests inside the engine (running, then waiting) as ``(bucket, arrival_s,
+        first_token_s, num_output, max_output)``; ``first_token_s`` is -1 before the first
+        token. What a twin's rollout scores at its horizon."""
+        return [(s.bucket, s.arrival_s, s.first_token_s, s.num_output, s.max_output)
+                for q in (self._running, self._waiting) for s in q]
 
     # ----------------------------------------------------------------- scheduling
     def step(self, bound_s: float) -> None:
@@ -273,6 +314,7 @@ class SimEngine:
                 seq.num_output += 1
                 if seq.first_token_s < 0.0:
                     seq.first_token_s = now
+                    self._first_tokens.append((seq.request_id, now))
                 if seq.num_output >= seq.max_output:
                     self._finish(seq, now)
                     finished_any = True
@@ -390,6 +432,7 @@ class SimEngine:
         self._kv_overflows = 0
         self._peak_used_blocks = self.num_kv_blocks - self._free_blocks
         self._finished = []
+        self._first_tokens = []
 
     def snapshot(self) -> EngineStats:
         running = [0] * self.num_buckets
@@ -424,6 +467,7 @@ class SimEngine:
             kv_overflows=self._kv_overflows,
             max_num_seqs=self._max_num_seqs,
             finished=tuple(self._finished),
+            first_tokens=tuple(self._first_tokens),
         )
         self._reset_interval()
         return stats

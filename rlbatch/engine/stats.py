@@ -100,6 +100,9 @@ class EngineStats:
     :param kv_overflows: iterations in which a running request could not get a KV block.
     :param max_num_seqs: engine-wide cap on running sequences in force.
     :param finished: requests that finished in the interval on this engine.
+    :param first_tokens: ``(request_id, time)`` of every request whose first output token
+        came in the interval (what the control loop's TTFT-deadline accounting reads);
+        empty from an engine that does not report them (the sidecar's HTTP upstreams).
     """
 
     engine_id: int
@@ -124,6 +127,7 @@ class EngineStats:
     kv_overflows: int
     max_num_seqs: int
     finished: tuple[FinishedRequest, ...]
+    first_tokens: tuple[tuple[int, float], ...] = ()
 
     @property
     def running_total(self) -> int:

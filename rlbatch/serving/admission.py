@@ -133,6 +133,10 @@ class Admission:
         self.arrived_in_tick = [0] * n
         self.rejected_in_tick = [0] * n
         self.cancelled_in_tick = [0] * n
+        self.accepted: list[tuple[int, float, int]] | None = None
+        """``(request_id, arrival_s, bucket)`` of every request queued or handed to an
+        engine since the previous :meth:`take_accepted`, while a list (the control loop's
+        TTFT-deadline accounting sets one); ``None``: not recorded."""
 
     def apply(self, action: ControlAction) -> None:
         """Put a (guarded) action in force.
@@ -152,6 +156,28 @@ class Admission:
         if action.max_num_seqs is not None:
             for eng in self.engines:
                 eng.set_max_num_seqs(action.max_num_seqs)
+
+    def fork(self, engines: list[Engine]) -> Admission:
+        """A copy of this admission layer over ``engines`` (forks of this one's engines, in
+        the same order): queues and counters copied, requests (immutable) shared.
+
+        :param engines: the forked engines, engine ``i`` standing for ``self.engines[i]``.
+        """
+        if len(engines) != len(self.engines):
+            raise ValueError(f"fork needs {len(self.engines)} engines, got {len(engines)}")
+        new = Admission.__new__(Admission)
+        for name, value in vars(self).items():
+            if isinstance(value, list) and name != "queues":
+                value = list(value)
+            elif isinstance(value, dict | set):
+                value = value.copy()
+            setattr(new, name, value)
+        new.engines = list(engines)
+        new.pools = {}
+        for eng in engines:
+            new.pools.setdefault(eng.pool, []).append(eng)
+        new.queues = [deque(q) for q in self.queues]
+        return new
 
     def submit(self, request: Request) -> Outcome:
         """A request arrives: bucket it, apply the length policy and the queue bound, then
@@ -178,11 +204,15 @@ class Admission:
                 return self._reject(request, bucket, "queue_full")
             engine = _least_loaded(self.pools[pool])
             engine.add_request(request, bucket, prompt, truncated)
+            if self.accepted is not None:
+                self.accepted.append((request.request_id, request.arrival_s, bucket))
             return Admitted(bucket, engine.engine_id)
         queue = self.queues[bucket]
         if bound is not None and len(queue) >= bound:
             return self._reject(request, bucket, "queue_full")
         queue.append((request, prompt, truncated))
+        if self.accepted is not None:
+            self.accepted.append((request.request_id, request.arrival_s, bucket))
         return Queued(bucket)
 
     def refuse(self, request: Request, reason: RejectReason = "unavailable") -> Rejected:
@@ -296,6 +326,15 @@ class Admission:
         """The refusal records since the previous call (then forgotten)."""
         out = self.rejected
         self.rejected = []
+        return out
+
+    def take_accepted(self) -> list[tuple[int, float, int]]:
+        """The requests accepted since the previous call (then forgotten); empty while
+        :attr:`accepted` is ``None`` (not recording)."""
+        out = self.accepted
+        if out is None:
+            return []
+        self.accepted = []
         return out
 
     def take_counters(self) -> TickCounters:

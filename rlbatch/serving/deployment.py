@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections.abc import Sequence
@@ -100,6 +101,38 @@ class Deployment:
 
     def apply(self, action: ControlAction) -> None:
         self.admission.apply(action)
+
+    def fork(self) -> Deployment:
+        """An independent copy of the deployment's state (a digital twin): engines and
+        admission copied, the request stream, profiles and info shared (immutable). Run
+        forward under the same actions it gives exactly the records the original gives;
+        running or loading it never changes the original.
+
+        :raises TypeError: an engine cannot fork (live vLLM engines).
+        """
+        engines: list[Engine] = []
+        for eng in self.engines:
+            fork = getattr(eng, "fork", None)
+            if fork is None:
+                raise TypeError(f"{type(eng).__name__} cannot fork; only simulated engines do")
+            engines.append(fork())
+        new = Deployment.__new__(Deployment)
+        for name, value in vars(self).items():
+            setattr(new, name, list(value) if isinstance(value, list) and name != "_requests"
+                    else value)
+        new.engines = engines
+        new.admission = self.admission.fork(engines)
+        return new
+
+    def arrived_since(self, since_s: float) -> list[Request]:
+        """The requests already submitted (arrived) at or after ``since_s``: what the
+        service has seen of its recent traffic, never a future arrival.
+
+        :param since_s: the earliest arrival time wanted.
+        """
+        requests = self._requests
+        lo = bisect.bisect_left(requests, since_s, hi=self._next, key=lambda r: r.arrival_s)
+        return requests[lo:self._next]
 
     @property
     def submitted(self) -> int:

@@ -20,7 +20,7 @@ from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats
 from rlbatch.engine.stats import EngineStats, FinishedRequest
 from rlbatch.request import Request
 from rlbatch.serving.admission import Admission
-from rlbatch.serving.metrics import RunTotals, SlidingWindow, summarize
+from rlbatch.serving.metrics import DeadlineTracker, RunTotals, SlidingWindow, summarize
 
 MIN_INTERVAL_S = 1e-6
 """Shortest interval a wall-clock tick reports (rates divide by it)."""
@@ -72,11 +72,17 @@ class ControlLoop:
     :param drain_s: how long after the last arrival a replay may go on.
     :param keep_records: keep every finished and rejected request for :meth:`summary`
         (``False`` for a service that runs for days: only the totals are kept).
+    :param track_deadlines: count the requests that can no longer meet the TTFT SLA
+        (``DeploymentStats.doomed``; :class:`~rlbatch.serving.metrics.DeadlineTracker`).
+        It needs engines that report every first token and completion
+        (``EngineStats.first_tokens``: the simulator, in-process vLLM engines). ``None``:
+        on for a replayed stream, off otherwise (the sidecar's HTTP upstreams).
     """
 
     def __init__(self, source: ServingSource, requests: Sequence[Request] | None,
                  initial_action: ControlAction, *, window_s: float = 30.0,
-                 drain_s: float = 600.0, keep_records: bool = True) -> None:
+                 drain_s: float = 600.0, keep_records: bool = True,
+                 track_deadlines: bool | None = None) -> None:
         self.source = source
         self.info = source.info
         self.tick_s = self.info.tick_s
@@ -97,6 +103,13 @@ class ControlLoop:
             self.last_arrival_s = source.last_arrival_s
             self.deadline_s = self.last_arrival_s + drain_s
         self._planned = None if requests is None else len(requests)
+        self._stream: Sequence[Request] = () if requests is None else requests
+        if track_deadlines is None:
+            track_deadlines = requests is not None
+        self.deadlines: DeadlineTracker | None = None
+        if track_deadlines:
+            self.deadlines = DeadlineTracker(len(self.info.buckets), self.info.sla.ttft_s)
+            source.admission.accepted = []
         self.action = initial_action
         source.apply(initial_action)
         self.ticks = 0
@@ -151,11 +164,53 @@ class ControlLoop:
         self.arrived_total += sum(counters.arrived)
         self.rejected_total += sum(counters.rejected)
         self.cancelled_total += sum(counters.cancelled)
+        doomed: tuple[int, ...] = ()
+        doomed_pending: tuple[int, ...] = ()
+        if self.deadlines is not None:
+            self.deadlines.accept(admission.take_accepted())
+            doomed = self.deadlines.update(t, engine_stats)
+            doomed_pending = tuple(self.deadlines.doomed_open)
         return DeploymentStats(
             time_s=t, tick_s=interval, engines=engine_stats, queued=admission.queued(),
             arrived=counters.arrived, rejected=counters.rejected, window=self.window.stats(t),
             action=self.action, kv_budget_blocked=counters.kv_budget_blocked,
-            oldest_wait_s=admission.oldest_wait_s(t))
+            oldest_wait_s=admission.oldest_wait_s(t), doomed=doomed,
+            doomed_pending=doomed_pending)
+
+    def unfinished_by_bucket(self) -> tuple[int, ...]:
+        """Per bucket, requests that arrived by the last tick and neither finished nor were
+        rejected (queued, inside an engine, or not yet handed to admission: a replay source
+        submits its stream in order, so those are the next ones after ``arrived_total``).
+
+        :raises ValueError: the loop does not track deadlines.
+        """
+        tracker = self._tracker()
+        return tuple(o + u for o, u in zip(tracker.open_count, self._unsubmitted(),
+                                           strict=True))
+
+    def unbooked_by_bucket(self) -> tuple[int, ...]:
+        """Per bucket, the unfinished requests (:meth:`unfinished_by_bucket`) not yet
+        counted as doomed: what an episode's end books as missed on top of the doomed ones.
+
+        :raises ValueError: the loop does not track deadlines.
+        """
+        tracker = self._tracker()
+        return tuple(o - d + u for o, d, u in zip(tracker.open_count, tracker.doomed_open,
+                                                  self._unsubmitted(), strict=True))
+
+    def _tracker(self) -> DeadlineTracker:
+        if self.deadlines is None:
+            raise ValueError("this loop does not track deadlines (track_deadlines=False)")
+        return self.deadlines
+
+    def _unsubmitted(self) -> list[int]:
+        out = [0] * len(self.info.buckets)
+        stream = self._stream
+        i = self.arrived_total
+        while i < len(stream) and stream[i].arrival_s <= self.time_s:
+            out[self.info.buckets.index(stream[i].prompt_tokens)] += 1
+            i += 1
+        return out
 
     @property
     def finished(self) -> bool:

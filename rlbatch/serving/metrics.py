@@ -5,6 +5,7 @@ Percentiles come from numpy (linear interpolation, numpy's default), never hand-
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -242,3 +243,84 @@ def summarize(
         "batch_efficiency": totals.batch_efficiency,
         "per_bucket": per_bucket,
     }
+
+
+_PENDING, _SERVED, _DOOMED = 0, 1, 2
+
+
+class DeadlineTracker:
+    """Exact TTFT-deadline accounting of the requests admission accepted.
+
+    A request is *doomed* once it can no longer meet the TTFT SLA: its deadline (arrival +
+    ``ttft_s``) passed by the tick time without a first token, wherever it waits (admission
+    queue or engine), or an engine reported its first token (or its completion) past the
+    deadline; an engine's last iteration may end after the tick time, so the latter can come
+    a tick early. Each request is doomed at most once. The deadline test is the one
+    :func:`~rlbatch.control.types.meets_sla` applies (``first_token - arrival <= ttft_s``),
+    so a completion that missed its TTFT was always counted here first.
+
+    :param num_buckets: number of buckets.
+    :param ttft_s: the SLA's TTFT limit.
+    """
+
+    def __init__(self, num_buckets: int, ttft_s: float) -> None:
+        self.ttft_s = ttft_s
+        self._heap: list[tuple[float, int]] = []
+        # request id -> [bucket, arrival_s, state]; removed when the request finishes
+        self._open: dict[int, list[Any]] = {}
+        self.open_count = [0] * num_buckets
+        """Per bucket, accepted requests not finished yet."""
+        self.doomed_open = [0] * num_buckets
+        """Per bucket, doomed requests not finished yet."""
+
+    def accept(self, entries: Iterable[tuple[int, float, int]]) -> None:
+        """Track newly accepted requests.
+
+        :param entries: ``(request_id, arrival_s, bucket)`` each.
+        """
+        for rid, arrival, bucket in entries:
+            self._open[rid] = [bucket, arrival, _PENDING]
+            heapq.heappush(self._heap, (arrival, rid))
+            self.open_count[bucket] += 1
+
+    def update(self, now_s: float, engine_stats: Iterable[EngineStats]) -> tuple[int, ...]:
+        """Fold one tick's first tokens and completions in, then sweep the deadlines passed
+        by ``now_s``.
+
+        :param now_s: the tick time.
+        :param engine_stats: the tick's engine snapshots.
+        :returns: per bucket, requests doomed in this tick.
+        """
+        doomed = [0] * len(self.open_count)
+        ttft = self.ttft_s
+        opened = self._open
+        for es in engine_stats:
+            for rid, first_s in es.first_tokens:
+                entry = opened.get(rid)
+                if entry is not None and entry[2] == _PENDING:
+                    if first_s - entry[1] <= ttft:
+                        entry[2] = _SERVED
+                    else:
+                        self._doom(entry, doomed)
+            for rec in es.finished:
+                entry = opened.pop(rec.request_id, None)
+                if entry is None:
+                    continue
+                bucket = entry[0]
+                self.open_count[bucket] -= 1
+                if entry[2] == _DOOMED:
+                    self.doomed_open[bucket] -= 1
+                elif entry[2] == _PENDING and not rec.ttft_s <= ttft:
+                    doomed[bucket] += 1  # finished late before any sweep saw it
+        heap = self._heap
+        while heap and now_s - heap[0][0] > ttft:
+            _, rid = heapq.heappop(heap)
+            entry = opened.get(rid)
+            if entry is not None and entry[2] == _PENDING:
+                self._doom(entry, doomed)
+        return tuple(doomed)
+
+    def _doom(self, entry: list[Any], doomed: list[int]) -> None:
+        entry[2] = _DOOMED
+        doomed[entry[0]] += 1
+        self.doomed_open[entry[0]] += 1

@@ -13,6 +13,7 @@ from rlbatch.engine.stats import FinishedRequest
 from rlbatch.serving.builders import build_deployment
 from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.serving.loop import ControlLoop
+from rlbatch.serving.twin import DeploymentTwin, bind_twin, can_fork
 from rlbatch.workload import Workload
 
 TickCallback = Callable[[DeploymentStats], None]
@@ -43,7 +44,10 @@ def run(
     """Drive ``controller`` over ``workload`` on a fresh deployment built from ``spec``.
 
     Every control tick (``spec.tick_s`` of engine time) the engines' stats are snapshotted,
-    the controller decides, and its action is applied. The run ends when every request has
+    the controller decides, and its action is applied. A controller with a ``bind`` hook
+    (``mpc``) is first given the exact fork of the simulated deployment as its digital twin
+    (:class:`~rlbatch.serving.twin.DeploymentTwin`); its ``row_extras()``, if any, join the
+    row. The run ends when every request has
     finished or been rejected, or ``drain_s`` after the last arrival (what is left counts as
     unfinished, against SLA attainment).
 
@@ -57,6 +61,8 @@ def run(
     """
     wall_start = time.perf_counter()
     deployment = build_deployment(spec)
+    if can_fork(deployment):
+        bind_twin(controller, DeploymentTwin(deployment))
     loop = ControlLoop(deployment, workload.requests, controller.reset(deployment.info),
                        window_s=window_s, drain_s=drain_s)
     try:
@@ -80,6 +86,9 @@ def run(
     }
     row.update(loop.summary())
     row["guard_overrides"] = int(getattr(controller, "guard_overrides_total", 0))
+    extras = getattr(controller, "row_extras", None)
+    if callable(extras):
+        row.update(extras())
     row["wall_seconds"] = time.perf_counter() - wall_start
     row["speedup_x"] = row["sim_seconds"] / row["wall_seconds"] if row["wall_seconds"] > 0 else 0.0
     return RunResult(row=row, records=loop.records)

@@ -249,6 +249,7 @@ class VllmEngine:
             live = self._by_vllm.get(rid)
             if live is not None and live.first_token_s < 0.0:
                 live.first_token_s = end_model
+                self._first_tokens.append((live.request_id, end_model))
         for rid in probe.preempted_ids:
             live = self._by_vllm.get(rid)
             if live is not None:
@@ -303,6 +304,7 @@ class VllmEngine:
             kv_overflows=overflows,
             max_num_seqs=self._max_num_seqs,
             finished=tuple(self._finished),
+            first_tokens=tuple(self._first_tokens),
         )
         self._reset_interval()
         return stats
@@ -316,6 +318,7 @@ class VllmEngine:
         self._decode_tokens = 0
         self._recomputed_tokens = 0
         self._finished: list[FinishedRequest] = []
+        self._first_tokens: list[tuple[int, float]] = []
 
     # ----------------------------------------------------------------- extras
     @property
@@ -369,6 +372,8 @@ class VllmEngine:
         completions = out.outputs
         n_out = len(completions[0].token_ids) if completions else live.max_output
         first = live.first_token_s if live.first_token_s >= 0.0 else now
+        if live.first_token_s < 0.0:  # the probe missed it: the first token came now
+            self._first_tokens.append((live.request_id, now))
         tpot = (now - first) / (n_out - 1) if n_out > 1 else 0.0
         self._finished.append(FinishedRequest(
             request_id=live.request_id,

@@ -1,0 +1,223 @@
+"""Teacher -> student: behaviour cloning and DAgger from a planning teacher (``mpc``).
+
+The teacher is any guarded controller that exposes the action it proposed before the guard
+(``last_proposal``); the planner (:mod:`policies.mpc`) is the intended one. A run is driven
+by :func:`rlbatch.serving.run.run`, so the teacher gets its digital twin exactly as in
+``rlbatch evaluate``. At every decision point the student's observation (the same
+:class:`~rlbatch.control.observation.ObservationBuilder` the env and serving use) is stored
+with the teacher's proposal, encoded in the student's action space.
+
+* Behaviour cloning: the teacher acts; its decisions are the labels.
+* DAgger: the student acts (so the data covers the states the student itself reaches) and
+  the teacher, bound to the same deployment, labels every decision.
+
+The student is an SB3 ``MlpPolicy``; :func:`fit_policy` maximises the log-likelihood of the
+labels, so PPO can fine-tune the same network afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from rlbatch.control.action_codec import Codec
+from rlbatch.control.observation import ObservationBuilder
+from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats
+from rlbatch.serving.deployment import DeploymentSpec
+from rlbatch.serving.run import run
+from rlbatch.workload import Workload
+
+
+class Teacher(Protocol):
+    """A controller that says what it proposed before its guard."""
+
+    name: str
+    last_proposal: ControlAction | None
+
+    def reset(self, info: DeploymentInfo) -> ControlAction: ...
+
+    def decide(self, stats: DeploymentStats) -> ControlAction: ...
+
+
+class Actor(Protocol):
+    """The controller in charge during a DAgger run (the student behind its guard)."""
+
+    name: str
+
+    def reset(self, info: DeploymentInfo) -> ControlAction: ...
+
+    def decide(self, stats: DeploymentStats) -> ControlAction: ...
+
+    def guard_flags(self) -> tuple[float, ...]: ...
+
+
+@dataclass
+class Demonstrations:
+    """Observations and the teacher's encoded actions, one row per decision.
+
+    :param obs: ``(N, obs_size)`` float32.
+    :param actions: ``(N, len(nvec))`` int64.
+    """
+
+    obs: np.ndarray
+    actions: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.obs.shape[0])
+
+    @staticmethod
+    def concat(parts: Sequence[Demonstrations]) -> Demonstrations:
+        parts = [p for p in parts if len(p)]
+        if not parts:
+            raise ValueError("no demonstrations")
+        return Demonstrations(np.concatenate([p.obs for p in parts]),
+                              np.concatenate([p.actions for p in parts]))
+
+
+class LabellingController:
+    """Runs the teacher (behaviour cloning) or a student (DAgger) and records, every
+    ``decision_ticks`` ticks, the student's observation and the teacher's proposal.
+
+    :param teacher: the labelling controller (always consulted, so its state follows the run).
+    :param codec: the student's action space.
+    :param obs_version: the student's observation version.
+    :param max_cap: the student's per-bucket cap normaliser.
+    :param decision_ticks: ticks between two recorded decisions.
+    :param actor: ``None``: the teacher's actions are applied; else the student's.
+    """
+
+    def __init__(self, teacher: Teacher, codec: Codec, obs_version: int, max_cap: int,
+                 decision_ticks: int = 1, actor: Actor | None = None) -> None:
+        if decision_ticks < 1:
+            raise ValueError(f"decision_ticks must be >= 1, got {decision_ticks}")
+        self.teacher = teacher
+        self.actor = actor
+        self.codec = codec
+        self.obs_version = obs_version
+        self.max_cap = max_cap
+        self.decision_ticks = decision_ticks
+        self.name = f"label:{teacher.name}" + (f"/{actor.name}" if actor else "")
+        self._builder: ObservationBuilder | None = None
+        self._obs: list[np.ndarray] = []
+        self._actions: list[np.ndarray] = []
+        self._ticks = 0
+
+    def bind(self, twin: Any) -> None:
+        """Hand the run's twin to whichever party plans with one."""
+        for party in (self.teacher, self.actor):
+            bind = getattr(party, "bind", None)
+            if bind is not None:
+                bind(twin)
+
+    @property
+    def guard_overrides_total(self) -> int:
+        party = self.actor if self.actor is not None else self.teacher
+        return int(getattr(party, "guard_overrides_total", 0))
+
+    def reset(self, info: DeploymentInfo) -> ControlAction:
+        self._builder = ObservationBuilder(info, self.max_cap, version=self.obs_version)
+        self._ticks = 0
+        first = self.teacher.reset(info)
+        if self.actor is not None:
+            return self.actor.reset(info)
+        return first
+
+    def decide(self, stats: DeploymentStats) -> ControlAction:
+        if self._builder is None:
+            raise RuntimeError("decide() before reset()")
+        self._ticks += 1
+        flags = (self.actor.guard_flags() if self.actor is not None
+                 else _guard_flags(self.teacher))
+        obs = self._builder.build(stats, flags)
+        teacher_action = self.teacher.decide(stats)
+        if (self._ticks - 1) % self.decision_ticks == 0:
+            proposal = self.teacher.last_proposal or teacher_action
+            self._obs.append(obs)
+            self._actions.append(self.codec.encode(proposal))
+        if self.actor is not None:
+            return self.actor.decide(stats)
+        return teacher_action
+
+    def take(self) -> Demonstrations:
+        """The decisions recorded so far (and forget them)."""
+        n_act = len(self.codec.nvec)
+        size = self._builder.size if self._builder is not None else 0
+        demos = Demonstrations(
+            np.array(self._obs, dtype=np.float32).reshape(-1, size),
+            np.array(self._actions, dtype=np.int64).reshape(-1, n_act))
+        self._obs, self._actions = [], []
+        return demos
+
+
+def _guard_flags(controller: Any) -> tuple[float, ...]:
+    guard = getattr(controller, "guard", None)
+    return guard.flags() if guard is not None else (0.0,) * 5
+
+
+def collect(labeller: LabellingController, workloads: Sequence[Workload],
+            spec: DeploymentSpec, *, drain_s: float = 120.0) -> tuple[Demonstrations,
+                                                                      list[dict[str, Any]]]:
+    """Run the labeller over every workload; return the demonstrations and the run rows."""
+    parts: list[Demonstrations] = []
+    rows: list[dict[str, Any]] = []
+    for workload in workloads:
+        rows.append(run(workload, labeller, spec, drain_s=drain_s).row)
+        parts.append(labeller.take())
+    return Demonstrations.concat(parts), rows
+
+
+def fit_policy(policy: Any, demos: Demonstrations, *, epochs: int = 60,
+               batch_size: int = 64, learning_rate: float = 3e-3, seed: int = 0,
+               log: Any = None) -> list[float]:
+    """Behaviour cloning: maximise the log-likelihood of the teacher's actions under an SB3
+    ``ActorCriticPolicy`` (in place). Returns the mean loss per epoch.
+
+    :param policy: ``model.policy`` of an SB3 PPO model whose spaces match the demos.
+    :param demos: observations and encoded teacher actions.
+    :param epochs: passes over the data.
+    :param batch_size: minibatch size.
+    :param learning_rate: Adam step size (a fresh optimiser; PPO's is left alone).
+    :param seed: shuffling seed.
+    :param log: optional ``callable(epoch, loss, accuracy)``.
+    """
+    import torch
+
+    if len(demos) == 0:
+        raise ValueError("no demonstrations to fit")
+    rng = np.random.default_rng(seed)
+    obs = torch.as_tensor(demos.obs, dtype=torch.float32)
+    actions = torch.as_tensor(demos.actions, dtype=torch.int64)
+    params = [p for name, p in policy.named_parameters() if not name.startswith("value")]
+    optimiser = torch.optim.Adam(params, lr=learning_rate)
+    losses: list[float] = []
+    policy.set_training_mode(True)
+    for epoch in range(epochs):
+        order = rng.permutation(len(demos))
+        total = 0.0
+        for start in range(0, len(order), batch_size):
+            idx = torch.as_tensor(order[start:start + batch_size])
+            dist = policy.get_distribution(obs[idx])
+            loss = -dist.log_prob(actions[idx]).mean()
+            optimiser.zero_grad()
+            loss.backward()
+            optimiser.step()
+            total += float(loss.detach()) * len(idx)
+        losses.append(total / len(demos))
+        if log is not None:
+            log(epoch, losses[-1], action_accuracy(policy, demos))
+    policy.set_training_mode(False)
+    return losses
+
+
+def action_accuracy(policy: Any, demos: Demonstrations) -> float:
+    """Share of decisions where the student's deterministic action equals the teacher's on
+    every dimension."""
+    import torch
+
+    with torch.no_grad():
+        dist = policy.get_distribution(torch.as_tensor(demos.obs, dtype=torch.float32))
+        mode = dist.mode().cpu().numpy()
+    return float(np.mean(np.all(mode.reshape(demos.actions.shape) == demos.actions, axis=1)))

@@ -1,0 +1,429 @@
+"""``mpc``: a model-predictive controller over a digital twin of the deployment.
+
+Every ``every_s`` seconds it forks its twin (:mod:`rlbatch.serving.twin`), replaces the
+future arrivals by a replay of the arrivals it OBSERVED in the last ``window_s`` seconds
+(shifted forward, tiled over the horizon: it never reads a future arrival), rolls each
+candidate action ``horizon_s`` seconds forward and keeps the best; between decisions it holds
+it. It sits behind the default guard like every rule controller; each candidate is rolled out
+as the guard would let it through at the next tick (a copy of the guard, in its current state,
+checks it against the last tick's stats), held over the horizon.
+
+Candidates are :class:`~rlbatch.control.action_codec.TotalShareCodec` actions (a total cap,
+what ``static:N`` sets, plus per-bucket shares of it), so a student can clone them exactly:
+
+1. every total of ``totals`` (default 4..256 doubling) with no per-bucket cap;
+2. the incumbent and its neighbours one step up and down the total ladder;
+3. around the best of those: per-bucket trims (long-prompt buckets held to a share of the
+   total) and the neighbouring totals of the codec's finer ladder.
+
+Score of a rollout, per bucket: requests that met the SLA minus those that missed it
+(finished late, refused, or doomed at the horizon: no first token past the TTFT limit, or a
+TPOT already above the limit), weighted by ``1 / attainment`` of the bucket as observed so far
+(requests finished in SLA over finished + late-queued, decayed; floored), so a starving bucket
+weighs more.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from policies.rules import GuardedController
+from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, TotalShareCodec
+from rlbatch.control.guard import GuardConfig
+from rlbatch.control.types import SLA, ControlAction, DeploymentInfo, DeploymentStats, meets_sla
+from rlbatch.request import Request
+from rlbatch.serving.twin import Rollout, StatsTwin, Twin, replay, roll_out
+
+
+@dataclass(frozen=True)
+class MpcConfig:
+    """Knobs of the controller.
+
+    :param horizon_s: how far each candidate is rolled out.
+    :param every_s: decision interval (the choice is held in between).
+    :param window_s: observed arrivals replayed (the last ``window_s`` seconds).
+    :param totals: the totals always tried (caps of ``static:N``).
+    :param trims: also try per-bucket trims around the best total.
+    :param attainment_floor: weights are ``1 / max(attainment, floor)``.
+    :param memory_s: time constant of the observed attainment (decay).
+    :param switch_margin: leave the incumbent only for a score higher by this many
+        (weighted) requests.
+    :param backlog: extra cost of a request left unfinished at the horizon (a candidate
+        that drains a backlog beats one that lets it stand, even when both miss the same
+        requests within the horizon).
+    :param project_s: project the queues left at the horizon this far forward (see
+        :func:`rollout_score`; 0: off).
+    :param stress: also roll out on a busier stream (see ``_arrival_streams``) and
+        average the two scores: a small cap that only survives the calm loses.
+    :param stress_memory_s: how far back the busiest window is looked for.
+    :param stress_rate: how much busier the stress stream is (see ``_arrival_streams``).
+    :param tolerance: scores within this fraction of the replayed requests (plus
+        ``switch_margin``) of the best count as ties.
+    :param weigh_misses: fairness weights apply to misses too (default: to met requests
+        only; see :func:`rollout_score`).
+    :param sticky: among ties keep the incumbent (default: the largest total).
+    :param guarded: behind the guard (default); ``False`` applies the chosen candidate as
+        it is, like ``static:N`` (for comparisons with the unguarded statics).
+    """
+
+    horizon_s: float = 60.0
+    every_s: float = 10.0
+    window_s: float = 60.0
+    totals: tuple[int, ...] = (4, 8, 16, 32, 64, 128, 256)
+    trims: bool = True
+    attainment_floor: float = 0.1
+    memory_s: float = 300.0
+    switch_margin: float = 1.0
+    guarded: bool = True
+    backlog: float = 0.0
+    project_s: float = 60.0
+    stress: bool = True
+    stress_memory_s: float = 600.0
+    stress_rate: float = 1.25
+    tolerance: float = 0.01
+    sticky: bool = False
+    weigh_misses: bool = False
+
+    def __post_init__(self) -> None:
+        if not (self.horizon_s > 0 and self.every_s > 0 and self.window_s > 0):
+            raise ValueError(f"mpc horizon, every and window must be > 0, got {self}")
+        if not self.totals or any(t not in TOTAL_LADDER for t in self.totals):
+            raise ValueError(f"mpc totals must be on the codec's ladder {TOTAL_LADDER}, got "
+                             f"{self.totals}")
+        if not 0 < self.attainment_floor <= 1:
+            raise ValueError(f"attainment_floor must be in (0, 1], got {self.attainment_floor}")
+
+
+Key = tuple[int, tuple[int, ...]]
+"""A candidate as (total index, per-bucket share indices) on the codec's ladders."""
+
+
+class MpcController(GuardedController):
+    """The ``mpc`` controller (see the module docstring).
+
+    :param config: its knobs.
+    :param guard: the guard configuration (default guard).
+    :param name: the command-line name.
+    """
+
+    def __init__(self, config: MpcConfig | None = None, guard: GuardConfig | None = None,
+                 name: str = "mpc") -> None:
+        super().__init__(name, guard)
+        self.config = config or MpcConfig()
+        self.twin: Twin | None = None
+        self._bound: Twin | None = None
+        self.codec: TotalShareCodec | None = None
+        self.incumbent: Key = (0, ())
+        self.last_proposal: ControlAction | None = None
+        self.last_scores: dict[Key, float] = {}
+        self.decision_s: list[float] = []
+        self.choices: Counter[int] = Counter()
+        self._next_decision_s = 0.0
+        self._met: list[float] = []
+        self._done: list[float] = []
+        self._late: list[int] = []
+        self._scale = 0
+        self._last_stats: DeploymentStats | None = None
+
+    # ------------------------------------------------------------------ twin
+    def bind(self, twin: Twin) -> None:
+        """Use ``twin`` (the exact fork of a simulated deployment) for the next run; without
+        one the controller rebuilds a :class:`~rlbatch.serving.twin.StatsTwin` from what it
+        sees."""
+        self._bound = twin
+
+    def on_reset(self, info: DeploymentInfo) -> None:
+        n = len(info.buckets)
+        self.codec = TotalShareCodec(TOTAL_LADDER, SHARE_LADDER, info.pool_names, n)
+        self.incumbent = (TOTAL_LADDER.index(64), (len(SHARE_LADDER) - 1,) * n)
+        self.twin = self._bound
+        self._bound = None
+        if self.twin is None:
+            try:
+                self.twin = StatsTwin(info)
+            except (ValueError, OSError):  # no profile for this GPU / model: hold
+                self.twin = None
+        self.last_proposal = None
+        self.last_scores = {}
+        self.decision_s = []
+        self.choices = Counter()
+        self._next_decision_s = 0.0
+        self._met = [0.0] * n
+        self._done = [0.0] * n
+        self._late = [0] * n
+
+    def reset(self, info: DeploymentInfo) -> ControlAction:
+        action = super().reset(info)
+        return action if self.config.guarded else self.propose(None)
+
+    def decide(self, stats: DeploymentStats) -> ControlAction:
+        return super().decide(stats) if self.config.guarded else self.propose(stats)
+
+    # ------------------------------------------------------------------ decisions
+    def action(self, key: Key) -> ControlAction:
+        """The ControlAction of a candidate key."""
+        assert self.codec is not None
+        ti, shares = key
+        return self.codec.decode([ti, *(x for s in shares for x in (s, 0))])
+
+    def propose(self, stats: DeploymentStats | None) -> ControlAction:
+        assert self.info is not None
+        if stats is not None:
+            self._observe(stats)
+            if self.twin is not None and stats.time_s >= self._next_decision_s:
+                t0 = time.perf_counter()
+                self.incumbent = self._decide(stats.time_s)
+                self.decision_s.append(time.perf_counter() - t0)
+                self._next_decision_s = stats.time_s + self.config.every_s - 1e-9
+            self.choices[TOTAL_LADDER[self.incumbent[0]]] += 1
+        self.last_proposal = self.action(self.incumbent)
+        return self.last_proposal
+
+    def _observe(self, stats: DeploymentStats) -> None:
+        assert self.info is not None
+        self._last_stats = stats
+        if self.twin is not None:
+            self.twin.observe(stats)
+        decay = math.exp(-stats.tick_s / self.config.memory_s)
+        sla = self.info.sla
+        self._met = [m * decay for m in self._met]
+        self._done = [d * decay for d in self._done]
+        for rec in stats.finished:
+            self._done[rec.bucket] += 1
+            if meets_sla(rec, sla):
+                self._met[rec.bucket] += 1
+        for b, count in enumerate(stats.rejected):
+            self._done[b] += count
+        waits = stats.oldest_wait_s or (0.0,) * len(stats.queued)
+        self._late = [q if w > sla.ttft_s else 0 for q, w in zip(stats.queued, waits,
+                                                                  strict=True)]
+
+    def weights(self) -> list[float]:
+        """Per bucket, ``1 / max(observed attainment, floor)``."""
+        floor = self.config.attainment_floor
+        return [1.0 / max(floor, (m + 1.0) / (d + late + 1.0))
+                for m, d, late in zip(self._met, self._done, self._late, strict=True)]
+
+    def _decide(self, now_s: float) -> Key:
+        cfg = self.config
+        assert self.twin is not None and self.info is not None
+        streams = self._arrival_streams(now_s)
+        weights = self.weights()
+        last = self._last_stats
+        scores: dict[Key, float] = {}
+
+        def score(key: Key) -> float:
+            if key not in scores:
+                assert self.twin is not None and self.info is not None
+                action = self.action(key)
+                # as the guard will let it through at the next tick, from its state now
+                guarded = (copy.deepcopy(self.guard).check(action, last)[0] if cfg.guarded
+                           else action)
+                total = 0.0
+                for arrivals in streams:
+                    result = roll_out(self.twin.fork(now_s, arrivals), guarded, now_s,
+                                      now_s + cfg.horizon_s)
+                    total += rollout_score(result, self.info.sla, weights, cfg.backlog,
+                                           cfg.weigh_misses, cfg.project_s)
+                scores[key] = total / len(streams)
+            return scores[key]
+
+        n = len(self.info.buckets)
+        top = len(SHARE_LADDER) - 1
+        inc_t, inc_s = self.incumbent
+        first = [(TOTAL_LADDER.index(t), (top,) * n) for t in cfg.totals]
+        first += [self.incumbent] + [(t, inc_s) for t in (inc_t - 1, inc_t + 1)
+                                     if 0 <= t < len(TOTAL_LADDER)]
+        for key in first:
+            score(key)
+        best = self._best(scores)
+        if cfg.trims:
+            bt, bs = best
+            second = [(bt, trim) for trim in trims(n, top)]
+            second += [(t, bs) for t in (bt - 1, bt + 1) if 0 <= t < len(TOTAL_LADDER)]
+            for key in second:
+                score(key)
+            best = self._best(scores)
+        self.last_scores = scores
+        return best
+
+    def _arrival_streams(self, now_s: float) -> list[list[Request]]:
+        """The futures each candidate is rolled out on: the last ``window_s`` of observed
+        arrivals replayed, and (``stress``) a busier one: the busiest ``window_s`` seen in
+        the last ``stress_memory_s`` when it is ``stress_rate`` times busier, else the recent
+        window replayed ``stress_rate`` times faster (the load may rise)."""
+        cfg = self.config
+        assert self.twin is not None
+        window = min(cfg.window_s, now_s)
+        recent = self.twin.observed_arrivals(now_s - window, now_s)
+        streams = [replay(recent, now_s, window, cfg.horizon_s)]
+        if cfg.stress and recent:
+            seen = self.twin.observed_arrivals(now_s - cfg.stress_memory_s, now_s)
+            peak = busiest(seen, window)
+            if len(peak) >= len(recent) * cfg.stress_rate:
+                lo, speed = peak[0].arrival_s, 1.0
+            else:
+                peak, lo, speed = recent, now_s - window, cfg.stress_rate
+            shifted = [Request(r.request_id, now_s - window + (r.arrival_s - lo) / speed,
+                               r.prompt_tokens, r.max_output_tokens) for r in peak]
+            streams.append(replay(shifted, now_s, window / speed, cfg.horizon_s))
+        self._scale = len(streams[0])
+        return streams
+
+    def _best(self, scores: dict[Key, float]) -> Key:
+        """Among the candidates within ``switch_margin`` + ``tolerance`` x (requests in the
+        replay) of the best score: the incumbent if it is one, else the largest total, then
+        the fewest trims (a too-small cap is the costly mistake when the load rises)."""
+        cfg = self.config
+        top = max(scores.values())
+        slack = cfg.switch_margin + cfg.tolerance * self._scale
+        near = [k for k, v in scores.items() if v >= top - slack]
+        if self.incumbent in near and cfg.sticky:
+            return self.incumbent
+        return max(near, key=lambda k: (k[0], sum(k[1]), scores[k]))
+
+    # ------------------------------------------------------------------ reports
+    def row_extras(self) -> dict[str, Any]:
+        """Decision time and choices for the evaluation row."""
+        times = sorted(self.decision_s)
+        n = len(times)
+        return {
+            "mpc_decisions": n,
+            "mpc_decision_ms_mean": 1e3 * sum(times) / n if n else math.nan,
+            "mpc_decision_ms_p95": 1e3 * times[min(n - 1, int(0.95 * n))] if n else math.nan,
+            "mpc_totals_chosen": dict(sorted(self.choices.items())),
+        }
+
+
+def trims(num_buckets: int, top: int) -> list[tuple[int, ...]]:
+    """Share-index vectors that hold longer-prompt buckets to smaller shares of the total:
+    mild (each bucket after the second one share step below the previous), strong (from the
+    second bucket on), and long-only (the last bucket at the smallest share)."""
+    mild = tuple(max(0, top - max(0, b - 1)) for b in range(num_buckets))
+    strong = tuple(max(0, top - b) for b in range(num_buckets))
+    last = tuple(top if b < num_buckets - 1 else 0 for b in range(num_buckets))
+    out: list[tuple[int, ...]] = []
+    for t in (mild, strong, last):
+        if t not in out and any(s != top for s in t):
+            out.append(t)
+    return out
+
+
+def busiest(arrivals: Sequence[Request], window_s: float) -> Sequence[Request]:
+    """The ``window_s``-long run of ``arrivals`` (sorted) holding the most requests."""
+    best_lo, best_n, lo = 0, 0, 0
+    for hi, r in enumerate(arrivals):
+        while arrivals[lo].arrival_s < r.arrival_s - window_s:
+            lo += 1
+        if hi - lo + 1 > best_n:
+            best_lo, best_n = lo, hi - lo + 1
+    return arrivals[best_lo:best_lo + best_n]
+
+
+def rollout_score(result: Rollout, sla: SLA, weights: list[float], backlog: float = 0.0,
+                  weigh_misses: bool = True, project_s: float = 0.0) -> float:
+    """Weighted met - missed of a rollout. Unfinished requests that can no longer meet the
+    SLA at its end count as missed; with ``project_s`` > 0 the queues left at the end are
+    projected forward at the rate each bucket completed requests in the rollout: a queued
+    request that will pass its TTFT limit before its turn counts as missed, and so do the
+    arrivals of the next ``project_s`` seconds that the leftover queue will hold up past the
+    TTFT limit (a cap that lets the backlog grow pays for it even when the horizon is
+    short). Every unfinished request costs ``backlog`` more.
+
+    :param result: the rollout.
+    :param sla: the SLA.
+    :param weights: per bucket weight.
+    :param backlog: extra cost of each request left unfinished at the horizon.
+    :param weigh_misses: the weights apply to misses and backlog too (else to met only: in
+        a collapse every candidate misses a starving bucket's queue, and weighing those
+        misses drowns the throughput differences that decide how fast it recovers).
+    :param project_s: how far past the horizon the leftover queues are projected (0: off).
+    """
+    end = result.end_s
+    n = len(weights)
+    total = 0.0
+    miss = weights if weigh_misses else [1.0] * n
+    served = [0] * n
+    arrived = [0] * n
+    for rec in result.finished:
+        total += weights[rec.bucket] if meets_sla(rec, sla) else -miss[rec.bucket]
+        if not rec.rejected:
+            served[rec.bucket] += 1
+        arrived[rec.bucket] += rec.arrival_s > result.start_s
+    for bucket, arrival, first_token, _num_output, max_output in result.pending:
+        total -= backlog * miss[bucket]
+        arrived[bucket] += arrival > result.start_s
+        if first_token < 0:
+            doomed = end - arrival > sla.ttft_s
+        else:
+            doomed = (first_token - arrival > sla.ttft_s
+                      or (max_output > 1 and (end - first_token) / (max_output - 1) > sla.tpot_s))
+        if doomed:
+            total -= miss[bucket]
+    queues: list[list[float]] = [[] for _ in range(n)]
+    for bucket, arrival in result.queued:
+        queues[bucket].append(arrival)
+        arrived[bucket] += arrival > result.start_s
+    span = max(end - result.start_s, 1e-9)
+    for b, queue in enumerate(queues):
+        if not queue:
+            continue
+        total -= backlog * miss[b] * len(queue)
+        rate = served[b] / span
+        queue.sort()
+        for i, arrival in enumerate(queue):
+            wait = (i + 1) / rate if project_s > 0 and rate > 0 else 0.0
+            if end - arrival + wait > sla.ttft_s or (project_s > 0 and rate == 0):
+                total -= miss[b]
+        if project_s > 0:
+            drain = len(queue) / rate if rate > 0 else math.inf
+            held = min(project_s, max(0.0, drain - sla.ttft_s))
+            total -= miss[b] * arrived[b] / span * held
+    return total
+
+
+_KEYS = {"horizon": "horizon_s", "every": "every_s", "window": "window_s",
+         "floor": "attainment_floor", "memory": "memory_s", "margin": "switch_margin",
+         "backlog": "backlog", "stress_memory": "stress_memory_s",
+         "stress_rate": "stress_rate", "tolerance": "tolerance", "project": "project_s"}
+
+_FLAGS = {"trims": "trims", "guard": "guarded", "stress": "stress", "sticky": "sticky",
+          "weigh_misses": "weigh_misses"}
+
+
+def mpc_factory(arg: str) -> MpcController:
+    """``mpc`` or ``mpc:KEY=VALUE/...``, e.g. ``mpc:horizon=60/every=10/totals=8-64/guard=0``
+    (``/`` separates options: commas separate controllers on the command line). Keys:
+    horizon, every, window, floor, memory, margin, backlog, project, stress_memory,
+    stress_rate, tolerance (numbers), trims,
+    stress, guard, sticky, weigh_misses (0/1), totals (``-``-separated)."""
+    changes: dict[str, Any] = {}
+    for part in arg.replace(",", "/").split("/"):
+        if not part:
+            continue
+        key, eq, value = part.partition("=")
+        try:
+            if not eq:
+                raise ValueError
+            if key in _KEYS:
+                changes[_KEYS[key]] = float(value)
+            elif key in _FLAGS:
+                changes[_FLAGS[key]] = value not in ("0", "false", "no", "off")
+            elif key == "totals":
+                changes["totals"] = tuple(int(v) for v in value.split("-"))
+            else:
+                raise ValueError
+        except ValueError:
+            keys = ", ".join([*_KEYS, *_FLAGS, "totals"])
+            raise ValueError(f"mpc options: {keys} as key=value separated by '/', e.g. "
+                             f"mpc:horizon=60/every=10; got mpc:{arg}") from None
+    controller = MpcController(MpcConfig(**changes))
+    if arg:
+        controller.name = f"mpc:{arg}"
+    return controller

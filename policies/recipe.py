@@ -1,0 +1,321 @@
+"""The learning recipe: planner teacher -> behaviour-cloned student -> DAgger -> selection.
+
+1. **Teacher data**: the ``mpc`` planner runs on workloads drawn from the training traffic
+   only (the first 75% of each training trace, :mod:`policies.protocol`), most of them
+   near the knee (rate scales where the best static cap meets the SLA for 20-95%), plus
+   generated traffic; every decision is stored with the student's observation.
+2. **Student**: an SB3 ``MlpPolicy`` (so PPO can fine-tune it) fitted by maximum
+   likelihood on the teacher's decisions (:func:`policies.distill.fit_policy`).
+3. **DAgger**: the student drives, the teacher (bound to the same simulated deployment)
+   labels the states the student reaches; refit on everything.
+4. **Selection**: every student checkpoint is scored on full-length validation windows of
+   the training traffic (never the held-back window) under the evaluation's over-length
+   policy; the best is exported as the policy artifact.
+
+Every phase logs to TensorBoard under its own prefix (``teacher/``, ``student/``,
+``dagger/``, ``select/``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from policies.artifact import load_artifact, save_artifact
+from policies.distill import Demonstrations, LabellingController, collect, fit_policy
+from policies.ppo import PpoController
+from policies.protocol import training_window
+from policies.training import eval_score
+from rlbatch import __version__
+from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, TotalShareCodec
+from rlbatch.control.controllers import make_controller
+from rlbatch.control.observation import feature_names, observation_size
+from rlbatch.engine.config import parse_pools
+from rlbatch.paths import default_training_traces, trace_ref
+from rlbatch.serving.admission import AdmissionConfig
+from rlbatch.serving.deployment import DeploymentSpec
+from rlbatch.serving.run import run
+from rlbatch.workload import Workload, load_trace
+from rlbatch.workload.scenarios import make_scenario, slice_trace
+
+SELECTION_STATICS: tuple[str, ...] = tuple(f"static:{n}" for n in (16, 32, 64, 128, 256))
+
+
+@dataclass
+class RecipeConfig:
+    """Everything the recipe depends on (recorded in the artifact).
+
+    :param seed: seed of workload sampling, network init and shuffling.
+    :param traces: training traces (their first 75% only).
+    :param gpu: GPU profile.
+    :param model: model profile.
+    :param pools: pools.
+    :param teacher: the teacher controller spec.
+    :param episodes: teacher workloads (behaviour cloning).
+    :param episode_s: seconds of arrivals per workload.
+    :param knee_rates: trace rate scales near the knee (curriculum: most workloads).
+    :param broad_rates: range of the other trace rate scales.
+    :param knee_share: share of workloads drawn at a knee rate.
+    :param generated_share: share of generated workloads (bursty / diurnal / Poisson).
+    :param dagger_rounds: DAgger rounds after behaviour cloning.
+    :param dagger_episodes: workloads per DAgger round.
+    :param decision_ticks: ticks between two student decisions (held in between).
+    :param obs_version: student observation version.
+    :param net_arch: hidden layers of the student.
+    :param epochs: behaviour-cloning passes per fit.
+    :param learning_rate: behaviour-cloning step size.
+    :param selection_rates: rate scales of the full-length validation windows.
+    :param out: run folder.
+    """
+
+    seed: int = 0
+    traces: tuple[str, ...] = field(
+        default_factory=lambda: tuple(str(p) for p in default_training_traces()))
+    gpu: str = "a100-80g"
+    model: str = "llama-2-7b"
+    pools: str = "fp16"
+    teacher: str = "mpc"
+    episodes: int = 12
+    episode_s: float = 600.0
+    knee_rates: tuple[float, float] = (0.7, 1.0)
+    broad_rates: tuple[float, float] = (0.3, 1.2)
+    knee_share: float = 0.7
+    generated_share: float = 0.25
+    dagger_rounds: int = 2
+    dagger_episodes: int = 6
+    decision_ticks: int = 5
+    obs_version: int = 2
+    net_arch: tuple[int, ...] = (64, 64)
+    epochs: int = 60
+    learning_rate: float = 3e-3
+    selection_rates: tuple[float, ...] = (0.6, 0.7, 0.8)
+    out: str = "runs/recipe"
+
+    def __post_init__(self) -> None:
+        parse_pools(self.pools)
+        if self.episodes < 1 or self.dagger_rounds < 0 or self.decision_ticks < 1:
+            raise ValueError(f"need episodes >= 1, dagger_rounds >= 0, decision_ticks >= 1; "
+                             f"got {self.episodes}, {self.dagger_rounds}, "
+                             f"{self.decision_ticks}")
+        for name in ("knee_share", "generated_share"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+
+    def spec(self) -> DeploymentSpec:
+        return DeploymentSpec(gpu=self.gpu, model=self.model, pools=parse_pools(self.pools),
+                              admission=AdmissionConfig(over_length="truncate"))
+
+
+def sample_workloads(cfg: RecipeConfig, rng: np.random.Generator, n: int) -> list[Workload]:
+    """Training workloads: slices of the training windows (mostly near the knee) and
+    generated traffic; never the held-back window."""
+    out: list[Workload] = []
+    traces = [load_trace(t) for t in cfg.traces]
+    for _ in range(n):
+        if not traces or rng.random() < cfg.generated_share:
+            kind = ("bursty", "diurnal", "night", "day")[int(rng.integers(4))]
+            load = float(np.exp(rng.uniform(np.log(0.8), np.log(2.0))))
+            out.append(make_scenario(kind, seed=int(rng.integers(2**31)),
+                                     duration_s=cfg.episode_s, load_scale=load))
+            continue
+        i = int(rng.integers(len(traces)))
+        trace = traces[i]
+        lo, hi = cfg.knee_rates if rng.random() < cfg.knee_share else cfg.broad_rates
+        scale = float(rng.uniform(lo, hi))
+        _, end = training_window(cfg.traces[i])
+        span = cfg.episode_s * scale
+        start = float(rng.uniform(0.0, max(end - span, 0.0)))
+        out.append(slice_trace(trace, start, cfg.episode_s, scale))
+    return out
+
+
+def validation_workloads(cfg: RecipeConfig) -> list[tuple[str, Workload]]:
+    """Full-length windows of the training traffic (the whole training window of each
+    trace at each selection rate)."""
+    out = []
+    for t in cfg.traces:
+        window = training_window(t)
+        for rate in cfg.selection_rates:
+            w = load_trace(t, rate_scale=rate, window_s=window)
+            out.append((f"{w.name}@{rate:g}", w))
+    return out
+
+
+def build_student(cfg: RecipeConfig, codec: TotalShareCodec, obs_size: int) -> Any:
+    """A fresh SB3 actor-critic network for the student's spaces."""
+    import torch
+    from gymnasium import spaces
+    from stable_baselines3.common.policies import ActorCriticPolicy
+
+    torch.manual_seed(cfg.seed)
+    return ActorCriticPolicy(
+        spaces.Box(0.0, 10.0, shape=(obs_size,), dtype=np.float32),
+        spaces.MultiDiscrete(np.array(codec.nvec, dtype=np.int64)),
+        lambda _: 3e-4, net_arch=list(cfg.net_arch))
+
+
+def export_student(policy: Any, cfg: RecipeConfig, codec: TotalShareCodec, path: Path,
+                   extra: dict[str, Any] | None = None) -> Path:
+    """Write the student's actor as a policy artifact (``total_share`` actions)."""
+    spec = cfg.spec()
+    hidden = [(layer.weight.detach().cpu().numpy(), layer.bias.detach().cpu().numpy())
+              for layer in policy.mlp_extractor.policy_net if hasattr(layer, "weight")]
+    head = (policy.action_net.weight.detach().cpu().numpy(),
+            policy.action_net.bias.detach().cpu().numpy())
+    meta = {
+        "activation": "tanh",
+        "nvec": codec.nvec,
+        "obs_size": observation_size(len(spec.buckets), cfg.obs_version),
+        "obs_version": cfg.obs_version,
+        "feature_names": feature_names(spec.buckets.names, cfg.obs_version),
+        "obs_norm": None,
+        "action_kind": codec.kind,
+        "totals": list(codec.totals),
+        "shares": list(codec.shares),
+        "decision_ticks": cfg.decision_ticks,
+        "ladder": list(codec.totals),
+        "pools": list(codec.pools),
+        "bucket_edges": list(spec.buckets.edges),
+        "sla": {"ttft_s": spec.sla.ttft_s, "tpot_s": spec.sla.tpot_s},
+        "tick_s": spec.tick_s,
+        "training": {k: ([trace_ref(x) for x in v] if k == "traces" else
+                         list(v) if isinstance(v, tuple) else v)
+                     for k, v in asdict(cfg).items()},
+        "recipe": "mpc teacher -> behaviour cloning -> DAgger -> selection",
+        "rlbatch_version": __version__,
+        **(extra or {}),
+    }
+    return save_artifact(path, hidden, head, meta)
+
+
+class Recipe:
+    """Runs the recipe's phases; state kept between them for logging and tests.
+
+    :param cfg: the configuration.
+    :param log: ``callable(tag, value, step)`` (TensorBoard scalars), optional.
+    """
+
+    def __init__(self, cfg: RecipeConfig,
+                 log: Callable[[str, float, int], None] | None = None) -> None:
+        self.cfg = cfg
+        self.log = log or (lambda tag, value, step: None)
+        spec = cfg.spec()
+        self.spec = spec
+        self.codec = TotalShareCodec(TOTAL_LADDER, SHARE_LADDER, tuple(spec.pools),
+                                     len(spec.buckets))
+        self.obs_size = observation_size(len(spec.buckets), cfg.obs_version)
+        self.rng = np.random.default_rng(cfg.seed)
+        self.demos: list[Demonstrations] = []
+        self.history: list[dict[str, Any]] = []
+
+    def labeller(self, actor: Any = None) -> LabellingController:
+        teacher = make_controller(self.cfg.teacher)
+        if not hasattr(teacher, "last_proposal"):
+            raise ValueError(f"teacher {self.cfg.teacher!r} does not expose last_proposal")
+        return LabellingController(teacher, self.codec, self.cfg.obs_version,  # type: ignore[arg-type]
+                                   max(self.codec.totals), self.cfg.decision_ticks, actor)
+
+    def teacher_data(self) -> list[dict[str, Any]]:
+        """Phase 1: the teacher drives; returns its run rows."""
+        workloads = sample_workloads(self.cfg, self.rng, self.cfg.episodes)
+        demos, rows = collect(self.labeller(), workloads, self.spec)
+        self.demos.append(demos)
+        for i, row in enumerate(rows):
+            self.log("teacher/goodput_rps", float(row["goodput_rps"] or 0.0), i)
+            self.log("teacher/sla_attainment", float(row["sla_attainment"] or 0.0), i)
+        self.log("teacher/decisions", float(len(demos)), 0)
+        return rows
+
+    def fit(self, policy: Any, phase: str, step: int) -> float:
+        data = Demonstrations.concat(self.demos)
+        accuracy = [math.nan]
+
+        def on_epoch(epoch: int, loss: float, acc: float) -> None:
+            self.log(f"{phase}/bc_loss", loss, step * self.cfg.epochs + epoch)
+            accuracy[0] = acc
+
+        fit_policy(policy, data, epochs=self.cfg.epochs, learning_rate=self.cfg.learning_rate,
+                   seed=self.cfg.seed + step, log=on_epoch)
+        self.log(f"{phase}/action_accuracy", accuracy[0], step)
+        return accuracy[0]
+
+    def dagger_round(self, artifact: Path, round_: int) -> list[dict[str, Any]]:
+        """Phase 3: the student (behind its guard) drives, the teacher labels."""
+        student = PpoController(load_artifact(artifact), name="student")
+        workloads = sample_workloads(self.cfg, self.rng, self.cfg.dagger_episodes)
+        demos, rows = collect(self.labeller(student), workloads, self.spec)
+        self.demos.append(demos)
+        for i, row in enumerate(rows):
+            self.log("dagger/student_goodput_rps", float(row["goodput_rps"] or 0.0),
+                     round_ * self.cfg.dagger_episodes + i)
+        return rows
+
+    def select(self, candidates: Sequence[Path]) -> tuple[Path, list[float]]:
+        """Phase 4: score every checkpoint on full-length validation windows against the
+        best static of each window; the best wins (ties: the later one)."""
+        validation = validation_workloads(self.cfg)
+        statics = {name: [run(w, make_controller(s), self.spec).row for s in SELECTION_STATICS]
+                   for name, w in validation}
+        scores = []
+        for i, path in enumerate(candidates):
+            per = [eval_score(run(w, make_controller(f"ppo:{path}"), self.spec).row,
+                              statics[name]) for name, w in validation]
+            scores.append(float(np.mean(per)))
+            self.log("select/score", scores[-1], i)
+        best = max(range(len(candidates)), key=lambda i: (scores[i], i))
+        return candidates[best], scores
+
+
+def run_recipe(cfg: RecipeConfig, log: Callable[[str, float, int], None] | None = None,
+               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """All phases; writes ``out/student-*``, ``out/best`` and ``out/recipe.json``."""
+    say = progress or (lambda text: None)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    recipe = Recipe(cfg, log)
+    start = time.perf_counter()
+    say(f"teacher data: {cfg.teacher} on {cfg.episodes} workloads")
+    teacher_rows = recipe.teacher_data()
+    policy = build_student(cfg, recipe.codec, recipe.obs_size)
+    checkpoints: list[Path] = []
+    for round_ in range(cfg.dagger_rounds + 1):
+        phase = "student" if round_ == 0 else "dagger"
+        say(f"{phase}: fitting on {sum(len(d) for d in recipe.demos)} decisions")
+        accuracy = recipe.fit(policy, phase, round_)
+        path = out / f"student-{round_}"
+        export_student(policy, cfg, recipe.codec, path,
+                       {"phase": phase, "round": round_, "action_accuracy": accuracy})
+        checkpoints.append(path)
+        if round_ < cfg.dagger_rounds:
+            say(f"dagger round {round_ + 1}: student drives, teacher labels")
+            recipe.dagger_round(path / "policy.json", round_)
+    say(f"selection on full-length validation windows: {len(checkpoints)} checkpoints")
+    best, scores = recipe.select(checkpoints)
+    wall = time.perf_counter() - start
+    final = export_student_copy(best, out / "best", {"selection_scores": scores,
+                                                     "train_wall_s": wall})
+    summary = {"best": str(final), "checkpoints": [str(c) for c in checkpoints],
+               "selection_scores": scores, "wall_s": wall,
+               "teacher_goodput_rps": [r["goodput_rps"] for r in teacher_rows],
+               "decisions": sum(len(d) for d in recipe.demos), "config": asdict(cfg)}
+    (out / "recipe.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    return summary
+
+
+def export_student_copy(src: Path, dst: Path, extra: dict[str, Any]) -> Path:
+    """Re-export a checkpoint artifact to ``dst`` with extra metadata."""
+    artifact = load_artifact(src)
+    meta = {k: v for k, v in artifact.metadata.items()
+            if k not in ("format", "format_version", "num_hidden", "weights_sha256")}
+    meta.update(extra)
+    return save_artifact(dst, artifact.hidden, artifact.head, meta)
+
+
+

@@ -1,0 +1,191 @@
+"""The digital twin (deployment fork) and the ``mpc`` controller."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from policies.mpc import MpcConfig, MpcController, mpc_factory, rollout_score, trims
+from rlbatch.control.action_codec import TOTAL_LADDER
+from rlbatch.control.controllers import make_controller
+from rlbatch.control.types import SLA, ControlAction, DeploymentStats
+from rlbatch.engine.base import Engine
+from rlbatch.request import Request
+from rlbatch.serving.admission import AdmissionConfig
+from rlbatch.serving.deployment import Deployment, DeploymentSpec, assemble_deployment
+from rlbatch.serving.loop import ControlLoop
+from rlbatch.serving.run import run
+from rlbatch.serving.twin import (
+    DeploymentTwin,
+    Rollout,
+    StatsTwin,
+    replay,
+    roll_out,
+)
+from rlbatch.tools.evaluate import EvalJob, run_jobs
+from rlbatch.workload import Workload, build_workload
+from tests.factories import BUCKETS, sim_engine
+
+CAPPED = ControlAction((2, None, 1), ("fp16",) * 3, 4, 0.8)
+
+
+def _deployment() -> Deployment:
+    engines: list[Engine] = [sim_engine(i) for i in range(2)]
+    return assemble_deployment(
+        engines, buckets=BUCKETS, admission=AdmissionConfig(), gpu="test", model="test",
+        max_model_len=512, block_size=16, default_max_num_seqs=8,
+        max_num_batched_tokens=256, tick_s=0.5)
+
+
+def _requests(n: int = 80, every_s: float = 0.05) -> list[Request]:
+    return [Request(i, i * every_s, 20 + (37 * i) % 200, 5 + (11 * i) % 40) for i in range(n)]
+
+
+def _records(d: Deployment) -> list[tuple[object, ...]]:
+    recs = [r for es in d.snapshot() for r in es.finished] + d.admission.take_rejected()
+    return sorted(r.comparable() for r in recs)
+
+
+def _state(d: Deployment) -> tuple[object, ...]:
+    return (d.admission.queued(), d.unfinished(), d.submitted,
+            tuple(e.now_s for e in d.engines),
+            tuple(tuple(e.pending()) for e in d.engines))  # type: ignore[attr-defined]
+
+
+def test_fork_runs_forward_exactly_like_the_original() -> None:
+    d = _deployment()
+    d.load(_requests())
+    d.apply(CAPPED)
+    d.run_until(1.0)
+    _records(d)
+    f = d.fork()
+    assert _state(f) == _state(d)
+    d.run_until(6.0)
+    f.run_until(6.0)
+    assert _state(f) == _state(d)
+    assert _records(f) == _records(d)
+    assert d.admission.take_counters() == f.admission.take_counters()
+
+
+def test_running_a_fork_never_changes_the_original() -> None:
+    ref, d = _deployment(), _deployment()
+    for x in (ref, d):
+        x.load(_requests())
+        x.apply(CAPPED)
+        x.run_until(1.0)
+    f = d.fork()
+    f.load([Request(900 + i, 1.0 + 0.01 * i, 300, 50) for i in range(40)])
+    f.apply(ControlAction((None,) * 3, ("fp16",) * 3, 1))
+    f.run_until(8.0)
+    f.admission.take_counters()
+    for x in (ref, d):
+        x.run_until(6.0)
+    assert _state(d) == _state(ref)
+    assert _records(d) == _records(ref)
+    assert d.admission.take_counters() == ref.admission.take_counters()
+
+
+def test_arrived_since_and_the_twin_see_only_past_arrivals() -> None:
+    d = _deployment()
+    d.load(_requests())
+    d.run_until(1.0)
+    seen = DeploymentTwin(d).observed_arrivals(0.5, 1.0)
+    assert seen and all(0.5 <= r.arrival_s <= 1.0 for r in seen)
+    assert max(r.arrival_s for r in d.arrived_since(0.0)) <= max(e.now_s for e in d.engines)
+
+
+def test_replay_shifts_the_observed_window_past_now_and_tiles_it() -> None:
+    seen = [Request(0, 8.0, 10, 5), Request(1, 9.5, 20, 5)]
+    out = replay(seen, 10.0, 2.0, 5.0)
+    assert [r.arrival_s for r in out] == [10.0 + 1.5, 12.0, 13.5, 14.0]
+    assert replay([], 10.0, 2.0, 5.0) == []
+
+
+def test_rollout_score_counts_doomed_and_backlog() -> None:
+    sla = SLA(ttft_s=2.0, tpot_s=0.1)
+    result = Rollout(end_s=10.0, finished=[],
+                     pending=[(0, 9.0, -1.0, 0, 10),    # no first token yet, 1 s old: open
+                              (0, 5.0, -1.0, 0, 10),    # no first token after 5 s: doomed
+                              (1, 9.0, 9.5, 3, 3)],     # TPOT (10-9.5)/2 > 0.1: doomed
+                     queued=[(1, 9.9), (1, 1.0)])       # one open, one doomed
+    assert rollout_score(result, sla, [1.0, 2.0]) == -1.0 - 2.0 - 2.0
+    assert rollout_score(result, sla, [1.0, 2.0], backlog=0.5) == -5.0 - 0.5 * (2 + 2 * 3)
+
+
+def test_candidates_cover_small_totals_and_are_codec_actions() -> None:
+    c = MpcController(MpcConfig(horizon_s=4.0, every_s=2.0, window_s=2.0))
+    d = _deployment()
+    c.bind(DeploymentTwin(d))
+    loop = ControlLoop(d, _requests(), c.reset(d.info))
+    for _ in range(4):
+        loop.apply(c.decide(loop.tick()))
+    totals = {TOTAL_LADDER[k[0]] for k in c.last_scores}
+    assert {4, 8, 16, 32, 64, 128, 256} <= totals
+    assert c.action((TOTAL_LADDER.index(4), (3, 3, 3))) == ControlAction(
+        (None,) * 3, ("fp16",) * 3, 4)
+    assert c.last_proposal is not None and c.last_proposal.max_num_seqs in TOTAL_LADDER
+    assert trims(4, 3) == [(3, 3, 2, 1), (3, 2, 1, 0), (3, 3, 3, 0)]
+
+
+def _workload(rows: Sequence[tuple[float, int, int]]) -> Workload:
+    return build_workload([(t, p, o, None) for t, p, o in rows], name="w", source="test")
+
+
+def _decisions(workload: Workload, until_s: float) -> list[tuple[float, object, object]]:
+    c = mpc_factory("horizon=20/every=5/window=10")
+    seen: list[tuple[float, object, object]] = []
+    decide = c._decide
+
+    def spy(now_s: float) -> tuple[int, tuple[int, ...]]:
+        key = decide(now_s)
+        if now_s < until_s:
+            seen.append((now_s, key, dict(c.last_scores)))
+        return key
+
+    c._decide = spy  # type: ignore[method-assign]
+    spec = DeploymentSpec(admission=AdmissionConfig(over_length="truncate"))
+    run(workload, c, spec, drain_s=30.0)
+    return seen
+
+
+def test_mpc_never_reads_future_arrivals() -> None:
+    steady = [(0.4 * i, 200 + (97 * i) % 1500, 50 + (31 * i) % 300) for i in range(100)]
+    burst = [(32.0 + 0.001 * i, 3000, 500) for i in range(400)]
+    calm = _decisions(_workload(steady), 32.0)
+    stormy = _decisions(_workload(steady + burst), 32.0)
+    assert len(calm) == 7  # decisions at t = 1, 6, ..., 31
+    assert stormy == calm
+
+
+def test_mpc_rebuilds_a_stats_twin_without_a_bound_one() -> None:
+    spec = DeploymentSpec(admission=AdmissionConfig(over_length="truncate"))
+    from rlbatch.serving.builders import build_deployment
+    d = build_deployment(spec)
+    c = MpcController(MpcConfig(horizon_s=10.0, every_s=5.0, window_s=10.0))
+    loop = ControlLoop(d, _workload([(0.2 * i, 300, 100) for i in range(100)]).requests,
+                       c.reset(d.info))
+    stats: DeploymentStats | None = None
+    for _ in range(12):
+        stats = loop.tick()
+        loop.apply(c.decide(stats))
+    assert isinstance(c.twin, StatsTwin)
+    assert len(c.decision_s) == 3 and c.last_scores
+    assert stats is not None
+    fork = c.twin.fork(stats.time_s, [])
+    assert fork.unfinished() == d.unfinished()
+    result = roll_out(fork, c.action(c.incumbent), stats.time_s + 30.0)
+    assert result.finished
+
+
+def test_mpc_in_an_evaluation_through_make_controller() -> None:
+    assert isinstance(make_controller("mpc"), MpcController)
+    with pytest.raises(ValueError, match="mpc options"):
+        make_controller("mpc:bogus=1")
+    spec = DeploymentSpec(admission=AdmissionConfig(over_length="truncate"))
+    job = EvalJob("mpc:horizon=10/every=5", "poisson:rate=2,duration=30", 1.0, spec, None,
+                  None, 0, 60.0)
+    (row,) = run_jobs([job], quiet=True)
+    assert row["controller"] == "mpc:horizon=10/every=5"
+    assert row["mpc_decisions"] >= 6 and row["mpc_decision_ms_mean"] > 0
+    assert row["completed"] + row["rejected"] + row["unfinished"] == row["submitted"] > 0
