@@ -67,6 +67,10 @@ class MpcConfig:
         ``switch_margin``) of the best count as ties.
     :param weigh_misses: fairness weights apply to misses too (default: to met requests
         only; see :func:`rollout_score`).
+    :param no_shrink_when_late: while requests wait in admission past the TTFT limit, never
+        lower the total (a smaller total looks fine over a short horizon, where every
+        candidate misses the same queued requests, and then lets the backlog grow for
+        minutes: measured on Azure 0.75).
     :param sticky: among ties keep the incumbent (default: the largest total).
     :param guarded: behind the guard (default); ``False`` applies the chosen candidate as
         it is, like ``static:N`` (for comparisons with the unguarded statics).
@@ -83,12 +87,13 @@ class MpcConfig:
     guarded: bool = True
     backlog: float = 0.0
     project_s: float = 60.0
-    stress: bool = True
+    stress: bool = False
     stress_memory_s: float = 600.0
     stress_rate: float = 1.25
     tolerance: float = 0.01
     sticky: bool = False
     weigh_misses: bool = False
+    no_shrink_when_late: bool = True
 
     def __post_init__(self) -> None:
         if not (self.horizon_s > 0 and self.every_s > 0 and self.window_s > 0):
@@ -284,6 +289,8 @@ class MpcController(GuardedController):
         top = max(scores.values())
         slack = cfg.switch_margin + cfg.tolerance * self._scale
         near = [k for k, v in scores.items() if v >= top - slack]
+        if cfg.no_shrink_when_late and sum(self._late):
+            near = [k for k in near if k[0] >= self.incumbent[0]] or [self.incumbent]
         if self.incumbent in near and cfg.sticky:
             return self.incumbent
         return max(near, key=lambda k: (k[0], sum(k[1]), scores[k]))
@@ -394,7 +401,7 @@ _KEYS = {"horizon": "horizon_s", "every": "every_s", "window": "window_s",
          "stress_rate": "stress_rate", "tolerance": "tolerance", "project": "project_s"}
 
 _FLAGS = {"trims": "trims", "guard": "guarded", "stress": "stress", "sticky": "sticky",
-          "weigh_misses": "weigh_misses"}
+          "weigh_misses": "weigh_misses", "no_shrink": "no_shrink_when_late"}
 
 
 def mpc_factory(arg: str) -> MpcController:
@@ -402,7 +409,8 @@ def mpc_factory(arg: str) -> MpcController:
     (``/`` separates options: commas separate controllers on the command line). Keys:
     horizon, every, window, floor, memory, margin, backlog, project, stress_memory,
     stress_rate, tolerance (numbers), trims,
-    stress, guard, sticky, weigh_misses (0/1), totals (``-``-separated)."""
+    stress, guard, sticky,
+    weigh_misses, no_shrink (0/1), totals (``-``-separated)."""
     changes: dict[str, Any] = {}
     for part in arg.replace(",", "/").split("/"):
         if not part:
