@@ -16,11 +16,17 @@ what ``static:N`` sets, plus per-bucket shares of it), so a student can clone th
 3. around the best of those: per-bucket trims (long-prompt buckets held to a share of the
    total) and the neighbouring totals of the codec's finer ladder.
 
-Score of a rollout, per bucket: requests that met the SLA minus those that missed it
-(finished late, refused, or doomed at the horizon: no first token past the TTFT limit, or a
-TPOT already above the limit), weighted by ``1 / attainment`` of the bucket as observed so far
-(requests finished in SLA over finished + late-queued, decayed; floored), so a starving bucket
-weighs more.
+Score of a rollout: requests that met the SLA (weighted per bucket by ``1 / attainment``
+observed so far: requests finished in SLA over finished + late-queued, decayed, floored, so a
+starving bucket's service counts more) minus those that missed it (finished late, refused, or
+doomed at the horizon: no first token past the TTFT limit, or a TPOT already above the limit);
+the queues left at the horizon are projected forward at the rate each bucket was served
+(:func:`rollout_score`), so a cap that lets the backlog grow pays for it within a short horizon.
+
+Choice: among candidates within ``switch_margin`` + 1% of the replayed requests of the best
+score, the largest total (then the fewest trims); while requests already wait past the TTFT
+limit the total never shrinks. Both rules come from Azure 0.75, where a smaller total scored a
+little better over 60 s in a backlog and then let it grow for minutes (2.45 -> 3.14 goodput/s).
 """
 
 from __future__ import annotations
@@ -289,7 +295,7 @@ class MpcController(GuardedController):
         top = max(scores.values())
         slack = cfg.switch_margin + cfg.tolerance * self._scale
         near = [k for k, v in scores.items() if v >= top - slack]
-        if cfg.no_shrink_when_late and sum(self._late):
+        if cfg.no_shrink_when_late and any(self._late):
             near = [k for k in near if k[0] >= self.incumbent[0]] or [self.incumbent]
         if self.incumbent in near and cfg.sticky:
             return self.incumbent

@@ -104,13 +104,18 @@ def test_replay_shifts_the_observed_window_past_now_and_tiles_it() -> None:
 
 def test_rollout_score_counts_doomed_and_backlog() -> None:
     sla = SLA(ttft_s=2.0, tpot_s=0.1)
-    result = Rollout(end_s=10.0, finished=[],
+    result = Rollout(start_s=0.0, end_s=10.0, finished=[],
                      pending=[(0, 9.0, -1.0, 0, 10),    # no first token yet, 1 s old: open
                               (0, 5.0, -1.0, 0, 10),    # no first token after 5 s: doomed
                               (1, 9.0, 9.5, 3, 3)],     # TPOT (10-9.5)/2 > 0.1: doomed
                      queued=[(1, 9.9), (1, 1.0)])       # one open, one doomed
     assert rollout_score(result, sla, [1.0, 2.0]) == -1.0 - 2.0 - 2.0
     assert rollout_score(result, sla, [1.0, 2.0], backlog=0.5) == -5.0 - 0.5 * (2 + 2 * 3)
+    # projected: nothing of bucket 0 was served, so its queued request never gets its turn,
+    # and the 1 arrival / 10 s held up for the next 5 s counts too
+    starved = Rollout(start_s=0.0, end_s=10.0, finished=[], pending=[], queued=[(0, 9.9)])
+    assert rollout_score(starved, sla, [1.0, 1.0]) == 0.0
+    assert rollout_score(starved, sla, [1.0, 1.0], project_s=5.0) == -1.0 - 0.5
 
 
 def test_candidates_cover_small_totals_and_are_codec_actions() -> None:
@@ -174,7 +179,7 @@ def test_mpc_rebuilds_a_stats_twin_without_a_bound_one() -> None:
     assert stats is not None
     fork = c.twin.fork(stats.time_s, [])
     assert fork.unfinished() == d.unfinished()
-    result = roll_out(fork, c.action(c.incumbent), stats.time_s + 30.0)
+    result = roll_out(fork, c.action(c.incumbent), stats.time_s, stats.time_s + 30.0)
     assert result.finished
 
 
@@ -189,3 +194,12 @@ def test_mpc_in_an_evaluation_through_make_controller() -> None:
     assert row["controller"] == "mpc:horizon=10/every=5"
     assert row["mpc_decisions"] >= 6 and row["mpc_decision_ms_mean"] > 0
     assert row["completed"] + row["rejected"] + row["unfinished"] == row["submitted"] > 0
+
+
+def test_mpc_without_a_twin_or_known_profiles_holds_its_action() -> None:
+    d = _deployment()  # gpu "test": no profile to rebuild a twin from (sidecar default)
+    c = MpcController()
+    first = c.reset(d.info)
+    loop = ControlLoop(d, _requests(), first)
+    actions = {c.decide(loop.tick()) for _ in range(12)}
+    assert c.twin is None and not c.decision_s and len(actions) == 1

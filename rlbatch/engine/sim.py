@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import deque
 
 from rlbatch.engine.config import EngineConfig
+from rlbatch.engine.fork import fork_state
 from rlbatch.engine.stats import EngineStats, FinishedRequest
 from rlbatch.profiles import StepTimeModel
 from rlbatch.request import Request
@@ -60,13 +61,6 @@ class _Seq:
         self.blocks = 0
         self.first_token_s = -1.0
         self.preemptions = 0
-
-    def copy(self) -> _Seq:
-        """An independent copy (every slot, so fields added later are copied too)."""
-        new = _Seq.__new__(_Seq)
-        for name in _Seq.__slots__:
-            setattr(new, name, getattr(self, name))
-        return new
 
 
 class SimEngine:
@@ -189,30 +183,10 @@ class SimEngine:
         self._committed_tokens += prompt_tokens + request.max_output_tokens
 
     def fork(self) -> SimEngine:
-        """An independent copy of the engine's state (the digital twin's fork): the step-time
-        model and config are shared (immutable), every sequence and counter is copied, so
-        running either one forward never changes the other. Attributes added later are
-        copied too: lists, deques, dicts and sets shallow, sequences one by one.
-        """
-        new = SimEngine.__new__(SimEngine)
-        seqs: dict[int, _Seq] = {}
-
-        def dup(value: object) -> object:
-            if isinstance(value, _Seq):
-                if id(value) not in seqs:
-                    seqs[id(value)] = value.copy()
-                return seqs[id(value)]
-            if isinstance(value, list):
-                return [dup(v) for v in value]
-            if isinstance(value, deque):
-                return deque(dup(v) for v in value)
-            if isinstance(value, dict | set):
-                return value.copy()
-            return value
-
-        for name, value in vars(self).items():
-            setattr(new, name, dup(value))
-        return new
+        """An independent copy of the engine's state (a digital twin's fork): the step-time
+        model and config shared, every sequence and counter copied (see
+        :func:`~rlbatch.engine.fork.fork_state`)."""
+        return fork_state(self, _Seq)
 
     def pending(self) -> list[tuple[int, float, float, int, int]]:
         """Requests inside the engine (running, then waiting) as ``(bucket, arrival_s,
