@@ -12,7 +12,7 @@ from gymnasium import spaces
 
 from rlbatch.buckets import Buckets
 from rlbatch.control.action_codec import TOTAL_LADDER, make_codec
-from rlbatch.control.guard import Guard, GuardConfig
+from rlbatch.control.guard import DEFAULT_LADDER, Guard, GuardConfig
 from rlbatch.control.observation import (
     CLIP,
     ObservationBuilder,
@@ -170,7 +170,7 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
         if decision_ticks < 1:
             raise ValueError(f"decision_ticks must be >= 1, got {decision_ticks}")
         guard_cfg = guard or GuardConfig(
-            ladder=TOTAL_LADDER if action_kind == "total_share" else GuardConfig().ladder)
+            ladder=TOTAL_LADDER if action_kind == "total_share" else DEFAULT_LADDER)
         if ladder is not None:
             guard_cfg = replace(guard_cfg, ladder=tuple(ladder))
         self.guard = Guard(guard_cfg)

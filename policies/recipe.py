@@ -32,13 +32,12 @@ from policies.artifact import load_artifact, save_artifact
 from policies.distill import Demonstrations, LabellingController, collect, fit_policy
 from policies.ppo import PpoController
 from policies.protocol import training_window
-from policies.training import eval_score
-from rlbatch import __version__
+from policies.training import eval_score, export_actor
 from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, TotalShareCodec
 from rlbatch.control.controllers import make_controller
 from rlbatch.control.observation import feature_names, observation_size
 from rlbatch.engine.config import parse_pools
-from rlbatch.paths import default_training_traces, trace_ref
+from rlbatch.paths import default_training_traces
 from rlbatch.serving.admission import AdmissionConfig
 from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.serving.run import run
@@ -113,11 +112,14 @@ class RecipeConfig:
                               admission=AdmissionConfig(over_length="truncate"))
 
 
-def sample_workloads(cfg: RecipeConfig, rng: np.random.Generator, n: int) -> list[Workload]:
+def sample_workloads(cfg: RecipeConfig, rng: np.random.Generator, n: int,
+                     traces: Sequence[Workload]) -> list[Workload]:
     """Training workloads: slices of the training windows (mostly near the knee) and
-    generated traffic; never the held-back window."""
+    generated traffic; never the held-back window.
+
+    :param traces: ``cfg.traces`` loaded, in order.
+    """
     out: list[Workload] = []
-    traces = [load_trace(t) for t in cfg.traces]
     for _ in range(n):
         if not traces or rng.random() < cfg.generated_share:
             kind = ("bursty", "diurnal", "night", "day")[int(rng.integers(4))]
@@ -165,34 +167,20 @@ def export_student(policy: Any, cfg: RecipeConfig, codec: TotalShareCodec, path:
                    extra: dict[str, Any] | None = None) -> Path:
     """Write the student's actor as a policy artifact (``total_share`` actions)."""
     spec = cfg.spec()
-    hidden = [(layer.weight.detach().cpu().numpy(), layer.bias.detach().cpu().numpy())
-              for layer in policy.mlp_extractor.policy_net if hasattr(layer, "weight")]
-    head = (policy.action_net.weight.detach().cpu().numpy(),
-            policy.action_net.bias.detach().cpu().numpy())
-    meta = {
-        "activation": "tanh",
+    return export_actor(policy, spec, asdict(cfg), path, {
         "nvec": codec.nvec,
         "obs_size": observation_size(len(spec.buckets), cfg.obs_version),
         "obs_version": cfg.obs_version,
         "feature_names": feature_names(spec.buckets.names, cfg.obs_version),
-        "obs_norm": None,
         "action_kind": codec.kind,
         "totals": list(codec.totals),
         "shares": list(codec.shares),
         "decision_ticks": cfg.decision_ticks,
         "ladder": list(codec.totals),
         "pools": list(codec.pools),
-        "bucket_edges": list(spec.buckets.edges),
-        "sla": {"ttft_s": spec.sla.ttft_s, "tpot_s": spec.sla.tpot_s},
-        "tick_s": spec.tick_s,
-        "training": {k: ([trace_ref(x) for x in v] if k == "traces" else
-                         list(v) if isinstance(v, tuple) else v)
-                     for k, v in asdict(cfg).items()},
         "recipe": "mpc teacher -> behaviour cloning -> DAgger -> selection",
-        "rlbatch_version": __version__,
         **(extra or {}),
-    }
-    return save_artifact(path, hidden, head, meta)
+    })
 
 
 class Recipe:
@@ -212,6 +200,7 @@ class Recipe:
                                      len(spec.buckets))
         self.obs_size = observation_size(len(spec.buckets), cfg.obs_version)
         self.rng = np.random.default_rng(cfg.seed)
+        self.traces = [load_trace(t) for t in cfg.traces]
         self.demos: list[Demonstrations] = []
         self.history: list[dict[str, Any]] = []
 
@@ -224,7 +213,7 @@ class Recipe:
 
     def teacher_data(self) -> list[dict[str, Any]]:
         """Phase 1: the teacher drives; returns its run rows."""
-        workloads = sample_workloads(self.cfg, self.rng, self.cfg.episodes)
+        workloads = sample_workloads(self.cfg, self.rng, self.cfg.episodes, self.traces)
         demos, rows = collect(self.labeller(), workloads, self.spec)
         self.demos.append(demos)
         for i, row in enumerate(rows):
@@ -249,7 +238,8 @@ class Recipe:
     def dagger_round(self, artifact: Path, round_: int) -> list[dict[str, Any]]:
         """Phase 3: the student (behind its guard) drives, the teacher labels."""
         student = PpoController(load_artifact(artifact), name="student")
-        workloads = sample_workloads(self.cfg, self.rng, self.cfg.dagger_episodes)
+        workloads = sample_workloads(self.cfg, self.rng, self.cfg.dagger_episodes,
+                                     self.traces)
         demos, rows = collect(self.labeller(student), workloads, self.spec)
         self.demos.append(demos)
         for i, row in enumerate(rows):

@@ -108,37 +108,49 @@ def _make_env(kwargs: dict[str, Any]) -> Callable[[], gym.Env[Any, Any]]:
     return thunk
 
 
-def export_policy(model: Any, env_unwrapped: Any, cfg: TrainConfig, path: Path,
-                  extra: dict[str, Any] | None = None) -> Path:
-    """Export an SB3 PPO MlpPolicy's actor to the safe artifact format."""
-    policy = model.policy
-    hidden = []
-    for layer in policy.mlp_extractor.policy_net:
-        if hasattr(layer, "weight"):
-            hidden.append((layer.weight.detach().cpu().numpy(),
-                           layer.bias.detach().cpu().numpy()))
+def export_actor(policy: Any, spec: DeploymentSpec, training: dict[str, Any], path: Path,
+                 layout: dict[str, Any]) -> Path:
+    """Export an SB3 ``ActorCriticPolicy``'s actor to the safe artifact format.
+
+    :param policy: the SB3 policy (``model.policy``).
+    :param spec: the deployment it was trained for (buckets, SLA, tick).
+    :param training: the training configuration (recorded; trace paths made relative).
+    :param path: the artifact folder.
+    :param layout: action and observation fields (``nvec``, ``obs_size``, ``ladder``,
+        ``pools``, ``feature_names``, ...) and any provenance to record.
+    """
+    hidden = [(layer.weight.detach().cpu().numpy(), layer.bias.detach().cpu().numpy())
+              for layer in policy.mlp_extractor.policy_net if hasattr(layer, "weight")]
     head = (policy.action_net.weight.detach().cpu().numpy(),
             policy.action_net.bias.detach().cpu().numpy())
-    spec = env_unwrapped.deployment_spec
     meta = {
         "activation": "tanh",
-        "nvec": [int(n) for n in env_unwrapped.action_space.nvec],
-        "obs_size": int(env_unwrapped.observation_space.shape[0]),
-        "feature_names": feature_names(spec.buckets.names),
         "obs_norm": None,
-        "ladder": list(env_unwrapped.ladder),
-        "pools": list(env_unwrapped.pool_names),
         "bucket_edges": list(spec.buckets.edges),
         "sla": {"ttft_s": spec.sla.ttft_s, "tpot_s": spec.sla.tpot_s},
         "tick_s": spec.tick_s,
         # Trace names relative to the traces folder: the artifact travels to other machines.
         "training": {k: ([trace_ref(x) for x in v] if k == "traces" else
                          list(v) if isinstance(v, tuple) else v)
-                     for k, v in asdict(cfg).items()},
+                     for k, v in training.items()},
         "rlbatch_version": __version__,
-        **(extra or {}),
+        **layout,
     }
     return save_artifact(path, hidden, head, meta)
+
+
+def export_policy(model: Any, env_unwrapped: Any, cfg: TrainConfig, path: Path,
+                  extra: dict[str, Any] | None = None) -> Path:
+    """Export a PPO model trained on the env (per-bucket actions, observation version 1)."""
+    spec = env_unwrapped.deployment_spec
+    return export_actor(model.policy, spec, asdict(cfg), path, {
+        "nvec": [int(n) for n in env_unwrapped.action_space.nvec],
+        "obs_size": int(env_unwrapped.observation_space.shape[0]),
+        "feature_names": feature_names(spec.buckets.names),
+        "ladder": list(env_unwrapped.ladder),
+        "pools": list(env_unwrapped.pool_names),
+        **(extra or {}),
+    })
 
 
 def eval_workloads(cfg: TrainConfig) -> list[tuple[str, Workload]]:

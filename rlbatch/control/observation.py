@@ -79,7 +79,7 @@ def feature_names(bucket_names: tuple[str, ...], version: int = 1) -> list[str]:
     return names
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class ObservationBuilder:
     """Turns stats into the normalised float32 observation.
 
@@ -179,10 +179,8 @@ class ObservationBuilder:
         n_b = len(self.info.buckets)
         alpha = 1.0 - math.exp(-tick / TREND_TAU_S)
         finished = [0] * n_b
-        for es in stats.engines:
-            for rec in es.finished:
-                if 0 <= rec.bucket < n_b:
-                    finished[rec.bucket] += 1
+        for rec in stats.finished:
+            finished[rec.bucket] += 1
         doomed = sum(stats.doomed)
         log_r = math.log1p(100.0)
         per_bucket: list[float] = []

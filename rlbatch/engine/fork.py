@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from typing import TypeVar
 
 T = TypeVar("T")
 
 
-def fork_state(obj: T, item_type: type[object]) -> T:
+def fork_state(obj: T, item_type: type[object] | None = None,
+               share: Collection[str] = ()) -> T:
     """An independent copy of ``obj``: every attribute is carried over, lists, deques, dicts
     and sets are copied (shallow), and objects of ``item_type`` (mutable per-request state,
     ``__slots__`` classes) are copied slot by slot, once each; everything else (step-time
@@ -16,13 +18,15 @@ def fork_state(obj: T, item_type: type[object]) -> T:
     forked too.
 
     :param obj: the object whose state is forked.
-    :param item_type: the mutable item class held in its containers.
+    :param item_type: the mutable item class held in its containers, if any.
+    :param share: attributes carried over as they are (immutable streams; parts the caller
+        replaces with its own forks).
     """
-    slots: tuple[str, ...] = getattr(item_type, "__slots__", ())
+    slots: tuple[str, ...] = getattr(item_type, "__slots__", ()) if item_type else ()
     copies: dict[int, object] = {}
 
     def dup(value: object) -> object:
-        if isinstance(value, item_type):
+        if item_type is not None and isinstance(value, item_type):
             key = id(value)
             if key not in copies:
                 new_item = object.__new__(item_type)
@@ -40,5 +44,5 @@ def fork_state(obj: T, item_type: type[object]) -> T:
 
     new: T = object.__new__(type(obj))
     for name, value in vars(obj).items():
-        setattr(new, name, dup(value))
+        setattr(new, name, value if name in share else dup(value))
     return new

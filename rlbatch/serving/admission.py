@@ -21,6 +21,7 @@ from typing import Literal
 from rlbatch.buckets import Buckets
 from rlbatch.control.types import ControlAction
 from rlbatch.engine.base import Engine
+from rlbatch.engine.fork import fork_state
 from rlbatch.engine.stats import FinishedRequest
 from rlbatch.request import Request
 
@@ -165,13 +166,7 @@ class Admission:
         """
         if len(engines) != len(self.engines):
             raise ValueError(f"fork needs {len(self.engines)} engines, got {len(engines)}")
-        new = Admission.__new__(Admission)
-        for name, value in vars(self).items():
-            if isinstance(value, list) and name != "queues":
-                value = list(value)
-            elif isinstance(value, dict | set):
-                value = value.copy()
-            setattr(new, name, value)
+        new = fork_state(self, share=("engines", "pools"))
         new.engines = list(engines)
         new.pools = {}
         for eng in engines:

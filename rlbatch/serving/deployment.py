@@ -12,6 +12,7 @@ from rlbatch.buckets import Buckets
 from rlbatch.control.types import SLA, ControlAction, DeploymentInfo
 from rlbatch.engine.base import Engine
 from rlbatch.engine.config import PRECISIONS
+from rlbatch.engine.fork import fork_state
 from rlbatch.engine.stats import EngineStats
 from rlbatch.request import Request
 from rlbatch.serving.admission import Admission, AdmissionConfig
@@ -116,10 +117,7 @@ class Deployment:
             if fork is None:
                 raise TypeError(f"{type(eng).__name__} cannot fork; only simulated engines do")
             engines.append(fork())
-        new = Deployment.__new__(Deployment)
-        for name, value in vars(self).items():
-            setattr(new, name, list(value) if isinstance(value, list) and name != "_requests"
-                    else value)
+        new = fork_state(self, share=("_requests", "engines", "admission"))
         new.engines = engines
         new.admission = self.admission.fork(engines)
         return new
