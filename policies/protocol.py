@@ -95,10 +95,11 @@ def run_label(run: RunSet) -> str:
 
 
 def protocol_jobs(candidates: Sequence[str], spec: DeploymentSpec,
-                  run_sets: Sequence[RunSet], *, drain_s: float = 600.0) -> list[EvalJob]:
+                  run_sets: Sequence[RunSet], *, drain_s: float = 600.0,
+                  max_tokens: int | None = None) -> list[EvalJob]:
     """Statics 4-256, the playbook and every candidate on every run."""
     controllers = [*STATICS, BASELINE, *(c for c in candidates if c not in STATICS)]
-    return [EvalJob(c, rs.trace, rate, replace(spec), rs.window, None, 0, drain_s)
+    return [EvalJob(c, rs.trace, rate, replace(spec), rs.window, None, 0, drain_s, max_tokens)
             for rs in run_sets for rate in rs.rates for c in controllers]
 
 
@@ -199,12 +200,16 @@ def render(rows: Sequence[dict[str, Any]], candidates: Sequence[str], pick: str)
 
 
 def evaluate_protocol(candidates: Sequence[str], spec: DeploymentSpec, *, n_jobs: int = 2,
-                      quiet: bool = False) -> tuple[list[dict[str, Any]], str, str]:
+                      quiet: bool = False, max_tokens: int | None = None
+                      ) -> tuple[list[dict[str, Any]], str, str]:
     """Run the training runs (for the user's pick) and the unseen runs; return the unseen
-    rows, the user's pick and the Markdown report."""
+    rows, the user's pick and the Markdown report.
+
+    :param max_tokens: the clients' declared output limit (``None``: the real output).
+    """
     train_sets, unseen_sets = training_runs(), unseen_runs()
-    train_jobs = protocol_jobs([], spec, train_sets)
-    unseen_jobs = protocol_jobs(candidates, spec, unseen_sets)
+    train_jobs = protocol_jobs([], spec, train_sets, max_tokens=max_tokens)
+    unseen_jobs = protocol_jobs(candidates, spec, unseen_sets, max_tokens=max_tokens)
     rows = run_jobs([*train_jobs, *unseen_jobs], n_jobs=n_jobs, quiet=quiet, desc="protocol")
     train_rows = label_rows(rows[:len(train_jobs)], train_jobs, train_sets)
     unseen_rows = label_rows(rows[len(train_jobs):], unseen_jobs, unseen_sets)
@@ -224,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--markdown", type=Path, help="write the report here")
     p.add_argument("--jobs", type=int, default=2, help="runs in parallel (processes)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                   help="clients declare max_tokens=N (or the real output, if longer): what "
+                        "the guard's KV budget reserves; default: exactly the real output")
     add_deployment_options(p)
     # Mooncake prompts exceed a 4k context: the protocol truncates them (and counts them).
     p.set_defaults(over_length="truncate")
@@ -233,8 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         p.error(str(exc))
     candidates = [c.strip() for c in args.controllers.split(",") if c.strip()]
+    if args.max_tokens is not None and args.max_tokens < 1:
+        p.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
     rows, _pick, text = evaluate_protocol(candidates, spec, n_jobs=args.jobs,
-                                          quiet=args.quiet)
+                                          quiet=args.quiet, max_tokens=args.max_tokens)
     if args.json:
         write_json(args.json, rows)
     if args.markdown:

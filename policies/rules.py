@@ -246,7 +246,8 @@ def fixed_factory(arg: str) -> FixedController:
     Each ``OPTION`` changes the guard: ``no<rule>`` switches a rule off (``nowarmup``,
     ``nokv_high``, ``nop99``, ``noefficiency``, ``nokv_budget``), ``unguarded`` switches them
     all off (sanitising stays), ``proportional`` / ``halve`` / ``no_batching`` choose the
-    P99 fallback. Examples: ``fixed:64``, ``fixed:64/64/64/64``, ``fixed:64:nop99``,
+    P99 fallback, ``kv_budget=F`` sets the committed-KV budget's fraction of the pool.
+    Examples: ``fixed:64``, ``fixed:64/64/64/64``, ``fixed:64:nop99``,
     ``fixed:64/64/64/64:halve``, ``fixed:32/32/8/8@48``.
     """
     spec, *options = arg.split(":")
@@ -275,9 +276,15 @@ def fixed_factory(arg: str) -> FixedController:
             changes[option[2:]] = False
         elif option in _FALLBACKS:
             changes["p99_fallback"] = option
+        elif option.startswith("kv_budget="):
+            try:
+                changes["kv_budget_fraction"] = float(option.partition("=")[2])
+            except ValueError:
+                raise ValueError(f"kv_budget= needs a fraction, got {option!r} in "
+                                 f"fixed:{arg}") from None
         else:
             raise ValueError(f"unknown fixed option {option!r} in fixed:{arg}; options: "
                              f"{', '.join('no' + r for r in _SWITCHABLE)}, unguarded, "
-                             f"{', '.join(_FALLBACKS)}")
+                             f"{', '.join(_FALLBACKS)}, kv_budget=FRACTION")
     guard = GuardConfig(**changes)  # type: ignore[arg-type]
     return FixedController(f"fixed:{arg}", caps, total, guard)

@@ -15,6 +15,10 @@ class Request:
     :param max_output_tokens: tokens to generate (traces: the real output length, >= 1).
     :param prefix_ids: Mooncake-style ids of 512-token prompt blocks (equal id at the same
         position = shared prefix); ``None`` when the source has none.
+    :param max_tokens: the output limit the client declared (OpenAI ``max_tokens``), at
+        least ``max_output_tokens``; ``None``: it declared exactly what it generates (traces
+        carry only the real output length). What the KV budget commits; the engine still
+        generates ``max_output_tokens``.
     """
 
     request_id: int
@@ -22,6 +26,7 @@ class Request:
     prompt_tokens: int
     max_output_tokens: int
     prefix_ids: tuple[int, ...] | None = None
+    max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1:
@@ -30,6 +35,14 @@ class Request:
         if self.max_output_tokens < 1:
             raise ValueError(f"request {self.request_id}: max_output_tokens must be >= 1, "
                              f"got {self.max_output_tokens}")
+        if self.max_tokens is not None and self.max_tokens < self.max_output_tokens:
+            raise ValueError(f"request {self.request_id}: max_tokens {self.max_tokens} is "
+                             f"below the {self.max_output_tokens} tokens it generates")
         if not self.arrival_s >= 0.0:  # also rejects NaN
             raise ValueError(f"request {self.request_id}: arrival_s must be >= 0, "
                              f"got {self.arrival_s}")
+
+    @property
+    def output_limit(self) -> int:
+        """The declared output limit: ``max_tokens``, or the real output when undeclared."""
+        return self.max_output_tokens if self.max_tokens is None else self.max_tokens

@@ -95,8 +95,9 @@ def test_protocol_basics(fp16_engine: VllmEngine) -> None:
     for r in requests:
         eng.add_request(r, BUCKETS.index(r.prompt_tokens), r.prompt_tokens, False)
     assert eng.num_unfinished_total() == 4
-    assert eng.committed_tokens() == sum(r.prompt_tokens + r.max_output_tokens
-                                         for r in requests)
+    block = eng.kv_block_size
+    assert eng.committed_tokens() == sum(-(-(r.prompt_tokens + r.max_output_tokens) // block)
+                                         * block for r in requests)
     stats = _drain(eng)[0]
     assert eng.committed_tokens() == 0
     by_id = {r.request_id: r for r in stats.finished}

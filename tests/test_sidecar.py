@@ -444,4 +444,4 @@ def test_fixed_policy_is_deterministic(tmp_path: Path) -> None:
                           {"fp16": 10, "fp8": 10}, 16, 1024, 1.0, SLA())
     action = ctl.reset(info)
     assert action.caps == (2, 4, 1, 8) and action.pools == ("fp16", "fp16", "fp8", "fp8")
-    assert action.kv_budget_fraction == 0.8  # the guard's KV budget rides along
+    assert action.kv_budget_fraction == 1.0  # the guard's KV budget rides along

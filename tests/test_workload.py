@@ -15,6 +15,7 @@ from rlbatch.request import Request
 from rlbatch.workload import (
     TraceFormatError,
     Workload,
+    declare_max_tokens,
     detect_tick_s,
     load_azure_csv,
     load_mooncake_jsonl,
@@ -298,3 +299,16 @@ def test_extra_columns_and_timezone(tmp_path: Path) -> None:
     path = write(tmp_path, "cols.csv", "ContextTokens,Foo,GeneratedTokens,TIMESTAMP\n"
                  "5,x,6,2023-11-16T18:00:00+01:00\n7,y,8,2023-11-16 17:00:02Z\n")
     assert arrivals(load_trace(path)) == [0.0, 2.0]
+
+
+def test_declared_max_tokens_changes_only_the_declared_limit(azure: Workload) -> None:
+    declared = declare_max_tokens(azure, 512)
+    assert [r.max_output_tokens for r in declared.requests] == [
+        r.max_output_tokens for r in azure.requests]
+    assert [r.output_limit for r in declared.requests] == [
+        max(512, r.max_output_tokens) for r in azure.requests]
+    assert declared.transforms[-1] == "clients declare max_tokens=512"
+    with pytest.raises(ValueError, match="below"):
+        Request(0, 0.0, 10, 20, max_tokens=19)
+    with pytest.raises(ValueError, match=">= 1"):
+        declare_max_tokens(azure, 0)

@@ -52,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
     for name in names:  # fail fast on a bad name, before any run
         make_controller(name)
     spec = deployment_spec_from_args(args)
-    jobs = [EvalJob(c, t, r, spec, args.window, args.max_requests, args.seed, args.drain_s)
+    jobs = [EvalJob(c, t, r, spec, args.window, args.max_requests, args.seed, args.drain_s,
+                    args.max_tokens)
             for t in args.trace for r in args.rate_scale for c in names]
     # Live engines run in wall-clock time and share the CPU: one run at a time.
     n_jobs = 1 if args.engine == "vllm" else args.jobs

@@ -163,6 +163,10 @@ def add_workload_options(parser: argparse.ArgumentParser) -> None:
                    help="use only arrivals in [START, END) seconds of the trace")
     w.add_argument("--max-requests", type=int, default=None, help="first N requests only")
     w.add_argument("--seed", type=int, default=0, help="seed for generators and jitter")
+    w.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                   help="clients declare max_tokens=N (or the real output, if longer): what "
+                        "the guard's KV budget reserves; default: exactly the real output "
+                        "(traces carry only that)")
 
 
 # live engine

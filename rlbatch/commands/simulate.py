@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     """
     make_controller(args.controller)
     job = EvalJob(args.controller, args.trace, args.rate_scale, deployment_spec_from_args(args),
-                  args.window, args.max_requests, args.seed, args.drain_s)
+                  args.window, args.max_requests, args.seed, args.drain_s, args.max_tokens)
     workload = load_job_workload(job)
     with tqdm(total=round(workload.duration_s, 1), unit="sim-s", desc=workload.name,
               file=sys.stderr, disable=args.quiet) as bar:

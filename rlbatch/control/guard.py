@@ -50,10 +50,14 @@ Rules, applied in this order to the proposed caps (each only ever lowers a cap):
     batch efficiency (useful / computed tokens: preemption recompute is waste) below
     ``efficiency_threshold`` (70%) shrinks caps (and the total) by ``efficiency_factor``.
 ``kv_budget``
-    admission keeps the committed KV (prompt + max output of admitted requests) within
-    ``kv_budget_fraction`` of the KV pool (80%: the guide's >= 20% headroom for growth; on
-    an A100-80G with Llama-2-7B this equals its "KV <= 70% of GPU memory minus weights").
-    This is what makes the guard alone memory-safe: no admitted set can outgrow the pool.
+    admission keeps the committed KV (prompt + max output of every admitted request, each
+    rounded up to whole blocks) within ``kv_budget_fraction`` of the KV pool (default the
+    whole pool). The guide's ">= 20% headroom for context growth" is reserved per request
+    here, exactly: every admitted request already owns the room for its full output, so no
+    admitted set can outgrow the pool and nothing is preempted. A flat 80% on top of that
+    (the old default) reserved the growth twice and cost up to 40% goodput at the knee
+    (BENCHMARKS.md, issue 14). The budget trusts each request's declared output limit
+    (``max_tokens``); ``kv_high`` still watches the usage itself.
 
 ``max_seq_len`` truncation / rejection is enforced at admission (``GuardConfig.max_seq_len``
 and ``over_length`` feed the deployment's ``max_model_len``); truncated and rejected requests
@@ -135,7 +139,7 @@ class GuardConfig:
     efficiency_threshold: float = 0.7
     efficiency_factor: float = 0.75
     kv_budget: bool = True
-    kv_budget_fraction: float = 0.8
+    kv_budget_fraction: float = 1.0
     max_seq_len: int | None = None
     over_length: Literal["truncate", "reject"] = "truncate"
 

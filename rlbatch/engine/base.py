@@ -12,6 +12,22 @@ from rlbatch.engine.stats import EngineStats
 from rlbatch.request import Request
 
 
+def kv_tokens_at_limit(request: Request, prompt_tokens: int, max_model_len: int,
+                       block_size: int) -> int:
+    """KV a request holds if it runs to its declared limit: prompt + ``output_limit`` (cut to
+    the context, as vLLM shortens the output to fit), rounded up to whole blocks (a request
+    holds ``ceil(tokens / block)`` blocks, so token sums alone undercount).
+
+    :param request: the request.
+    :param prompt_tokens: its prompt tokens (after truncation).
+    :param max_model_len: the engine's context.
+    :param block_size: tokens per KV block.
+    """
+    tokens = min(prompt_tokens + request.output_limit,
+                 max(max_model_len, prompt_tokens + request.max_output_tokens))
+    return -(-tokens // block_size) * block_size
+
+
 class Engine(Protocol):
     """One serving engine (one vLLM instance) of one pool."""
 
@@ -46,8 +62,14 @@ class Engine(Protocol):
         ...
 
     def committed_tokens(self) -> int:
-        """Prompt + max output tokens of every request inside the engine: the KV it will need
-        if every request runs to its limit."""
+        """Prompt + max output tokens of every request inside the engine, each rounded up to
+        whole KV blocks (:func:`kv_tokens_at_limit`): the KV it will need if every request runs
+        to its limit. Committed KV within the pool means no admitted set can be preempted."""
+        ...
+
+    @property
+    def kv_block_size(self) -> int:
+        """Tokens per KV block (the unit a request's KV grows by)."""
         ...
 
     @property

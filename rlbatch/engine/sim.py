@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from rlbatch.engine.base import kv_tokens_at_limit
 from rlbatch.engine.config import EngineConfig
 from rlbatch.engine.fork import fork_state
 from rlbatch.engine.stats import EngineStats, FinishedRequest
@@ -39,6 +40,7 @@ class _Seq:
         "arrival_s",
         "blocks",
         "bucket",
+        "committed",
         "first_token_s",
         "max_output",
         "num_computed",
@@ -61,6 +63,7 @@ class _Seq:
         self.blocks = 0
         self.first_token_s = -1.0
         self.preemptions = 0
+        self.committed = 0
 
 
 class SimEngine:
@@ -160,6 +163,10 @@ class SimEngine:
         return self._committed_tokens
 
     @property
+    def kv_block_size(self) -> int:
+        return self._block_size
+
+    @property
     def kv_capacity_tokens(self) -> int:
         return self.num_kv_blocks * self._block_size
 
@@ -178,9 +185,12 @@ class SimEngine:
             raise ValueError(
                 f"request {request.request_id}: prompt {prompt_tokens} + output "
                 f"{request.max_output_tokens} exceeds max_model_len {self.max_model_len}")
-        self._waiting.append(_Seq(request, bucket, prompt_tokens, truncated))
+        seq = _Seq(request, bucket, prompt_tokens, truncated)
+        seq.committed = kv_tokens_at_limit(request, prompt_tokens, self.max_model_len,
+                                           self._block_size)
+        self._waiting.append(seq)
         self._unfinished[bucket] += 1
-        self._committed_tokens += prompt_tokens + request.max_output_tokens
+        self._committed_tokens += seq.committed
 
     def fork(self) -> SimEngine:
         """An independent copy of the engine's state (a digital twin's fork): the step-time
@@ -372,7 +382,7 @@ class SimEngine:
         self._free_blocks += seq.blocks
         seq.blocks = 0
         self._unfinished[seq.bucket] -= 1
-        self._committed_tokens -= seq.prompt_len + seq.max_output
+        self._committed_tokens -= seq.committed
         tpot = (now - seq.first_token_s) / (seq.num_output - 1) if seq.num_output > 1 else 0.0
         self._finished.append(FinishedRequest(
             request_id=seq.request_id,

@@ -20,7 +20,7 @@ from typing import Literal
 
 from rlbatch.buckets import Buckets
 from rlbatch.control.types import ControlAction
-from rlbatch.engine.base import Engine
+from rlbatch.engine.base import Engine, kv_tokens_at_limit
 from rlbatch.engine.fork import fork_state
 from rlbatch.engine.stats import FinishedRequest
 from rlbatch.request import Request
@@ -269,7 +269,9 @@ class Admission:
             request, prompt, truncated = queues[best][0]
             if budget is not None:
                 committed = engine.committed_tokens()
-                if committed > 0 and committed + prompt + request.max_output_tokens > budget:
+                need = kv_tokens_at_limit(request, prompt, self.max_model_len,
+                                          engine.kv_block_size)
+                if committed > 0 and committed + need > budget:
                     self.budget_blocked_in_tick = True
                     return admitted
             queues[best].popleft()

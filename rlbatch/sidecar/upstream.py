@@ -138,6 +138,13 @@ class HttpUpstream:
         return self._committed
 
     @property
+    def kv_block_size(self) -> int:
+        # Committed in plain tokens: the server's block size may arrive (first scrape) after
+        # requests were admitted, and add/release must round alike; clients' max_tokens
+        # overestimate the KV far more than block rounding underestimates it.
+        return 1
+
+    @property
     def kv_capacity_tokens(self) -> int:
         capacity = self.metrics.kv_capacity_tokens if self.metrics is not None else None
         # Unknown capacity must not make the KV budget serialise admission.

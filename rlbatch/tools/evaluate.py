@@ -14,7 +14,13 @@ from rlbatch.control.controllers import make_controller
 from rlbatch.control.types import DeploymentStats
 from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.serving.run import run
-from rlbatch.workload import Workload, build_workload, load_trace, resolve_workload
+from rlbatch.workload import (
+    Workload,
+    build_workload,
+    declare_max_tokens,
+    load_trace,
+    resolve_workload,
+)
 from rlbatch.workload.scenarios import make_scenario
 
 
@@ -30,10 +36,17 @@ class EvalJob:
     max_requests: int | None
     seed: int
     drain_s: float
+    max_tokens: int | None = None
 
 
 def load_job_workload(job: EvalJob) -> Workload:
-    """A trace file (with window / max-requests) or a generator spec, at the job's rate."""
+    """A trace file (with window / max-requests) or a generator spec, at the job's rate,
+    with the clients' declared ``max_tokens`` if the job sets one."""
+    workload = _load_source(job)
+    return workload if job.max_tokens is None else declare_max_tokens(workload, job.max_tokens)
+
+
+def _load_source(job: EvalJob) -> Workload:
     if Path(job.trace).exists():
         return load_trace(job.trace, rate_scale=job.rate_scale, window_s=job.window,
                           max_requests=job.max_requests, seed=job.seed)
@@ -79,9 +92,10 @@ def run_jobs(jobs: list[EvalJob], *, n_jobs: int = 1, quiet: bool = False,
     Every distinct workload is loaded once up front so a bad file fails before minutes of
     simulation.
     """
-    for key in {(j.trace, j.rate_scale, j.window, j.max_requests, j.seed) for j in jobs}:
-        first = next(j for j in jobs
-                     if (j.trace, j.rate_scale, j.window, j.max_requests, j.seed) == key)
+    for key in {(j.trace, j.rate_scale, j.window, j.max_requests, j.seed, j.max_tokens)
+                for j in jobs}:
+        first = next(j for j in jobs if (j.trace, j.rate_scale, j.window, j.max_requests,
+                                         j.seed, j.max_tokens) == key)
         load_job_workload(first)
     for name in {j.controller for j in jobs}:
         make_controller(name)

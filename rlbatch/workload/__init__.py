@@ -4,7 +4,7 @@ Every source yields a :class:`Workload`: requests sorted by arrival, numbered ``
 re-based to start at 0, with a record of skipped rows and applied transforms.
 """
 
-from rlbatch.workload.base import RequestRow, Workload, build_workload
+from rlbatch.workload.base import RequestRow, Workload, build_workload, declare_max_tokens
 from rlbatch.workload.generators import bursty, diurnal, poisson
 from rlbatch.workload.lengths import (
     DEFAULT_CONTEXT_TOKENS,
@@ -44,6 +44,7 @@ __all__ = [
     "build_workload",
     "bursty",
     "day_mix",
+    "declare_max_tokens",
     "detect_format",
     "detect_tick_s",
     "diurnal",

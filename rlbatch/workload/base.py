@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from rlbatch.request import Request
 
@@ -130,3 +130,19 @@ def build_workload(rows: Iterable[RequestRow], *, name: str, source: str,
     return Workload(name=name, requests=requests, source=source,
                     skipped_rows=sum(skipped.values()), skipped_reasons=skipped,
                     adjustments=dict(adjustments or {}), transforms=tuple(transforms))
+
+
+def declare_max_tokens(workload: Workload, max_tokens: int) -> Workload:
+    """Every client declares ``max_tokens`` (or its real output, if longer), as chat clients
+    that send one service-wide limit do. Only what admission commits changes (the KV budget
+    reserves the declared limit); every request still generates its real output.
+
+    :param workload: the workload.
+    :param max_tokens: the declared output limit (>= 1).
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    requests = [replace(r, max_tokens=max(max_tokens, r.max_output_tokens))
+                for r in workload.requests]
+    return replace(workload, requests=requests,
+                   transforms=(*workload.transforms, f"clients declare max_tokens={max_tokens}"))

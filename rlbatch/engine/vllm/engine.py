@@ -58,6 +58,7 @@ from typing import Any
 
 import numpy as np
 
+from rlbatch.engine.base import kv_tokens_at_limit
 from rlbatch.engine.stats import EngineStats, FinishedRequest
 from rlbatch.engine.telemetry import MemoryTelemetry
 from rlbatch.engine.vllm.clock import LiveClock
@@ -71,8 +72,8 @@ __all__ = ["VllmEngine"]
 class _Live:
     """rlbatch's bookkeeping of one request inside a live engine."""
 
-    __slots__ = ("arrival_s", "bucket", "first_token_s", "max_output", "preemptions",
-                 "prompt_len", "request_id", "truncated", "vllm_id")
+    __slots__ = ("arrival_s", "bucket", "committed", "first_token_s", "max_output",
+                 "preemptions", "prompt_len", "request_id", "truncated", "vllm_id")
 
     def __init__(self, request: Request, bucket: int, prompt_len: int, truncated: bool,
                  vllm_id: str) -> None:
@@ -85,6 +86,7 @@ class _Live:
         self.vllm_id = vllm_id
         self.first_token_s = -1.0
         self.preemptions = 0
+        self.committed = 0
 
 
 
@@ -196,6 +198,10 @@ class VllmEngine:
         return self._committed_tokens
 
     @property
+    def kv_block_size(self) -> int:
+        return self.block_size
+
+    @property
     def kv_capacity_tokens(self) -> int:
         return self.num_kv_blocks * self.block_size
 
@@ -222,10 +228,12 @@ class VllmEngine:
                                                                       prompt_tokens))
         vllm_id = str(self._engine.add_request(ext_id, prompt, params))
         live = _Live(request, bucket, prompt_tokens, truncated, vllm_id)
+        live.committed = kv_tokens_at_limit(request, prompt_tokens, self.max_model_len,
+                                            self.block_size)
         self._by_ext[ext_id] = live
         self._by_vllm[vllm_id] = live
         self._unfinished[bucket] += 1
-        self._committed_tokens += prompt_tokens + request.max_output_tokens
+        self._committed_tokens += live.committed
 
     def advance_idle(self, to_s: float) -> None:
         if not self.is_idle():
@@ -368,7 +376,7 @@ class VllmEngine:
         self._by_vllm.pop(live.vllm_id, None)
         self._probe.forget(live.vllm_id)
         self._unfinished[live.bucket] -= 1
-        self._committed_tokens -= live.prompt_len + live.max_output
+        self._committed_tokens -= live.committed
         completions = out.outputs
         n_out = len(completions[0].token_ids) if completions else live.max_output
         first = live.first_token_s if live.first_token_s >= 0.0 else now
