@@ -30,3 +30,11 @@ if [ ! -f "$stamp" ]; then
     rm -f .venv/.rlbatch-setup-*
     touch "$stamp"
 fi
+# Prometheus (Debian's package: prometheus + promtool) for tests/test_sidecar_prometheus.py
+# (the alert rules' promtool check and a real Prometheus scraping the sidecar); those tests
+# skip, saying why, where it cannot be installed.
+if ! command -v promtool >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
+        && [ "$(id -u)" = 0 ]; then
+    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus \
+        >/dev/null 2>&1 || echo "setup: could not install prometheus (its tests will skip)"
+fi

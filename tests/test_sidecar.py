@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -34,7 +35,7 @@ from rlbatch.control.observation import observation_size
 from rlbatch.control.types import ControlAction
 from rlbatch.sidecar import SIDECAR, Sidecar, SidecarSettings, UpstreamSpec, create_app, serve
 from rlbatch.sidecar.openai import BadRequest, completion_tokens, parse_request
-from rlbatch.sidecar.proxy import _take_usage
+from rlbatch.sidecar.responses import take_usage
 from rlbatch.sidecar.tokens import ApproxCounter, Prompt
 from rlbatch.sidecar.vllm_metrics import (
     MetricsParseError,
@@ -232,6 +233,9 @@ def test_parse_request_and_usage() -> None:
     forwarded = json.loads(p.forward_body(None))
     assert forwarded["stream_options"] == {"include_usage": True}
     assert json.loads(p.forward_body(7))["truncate_prompt_tokens"] == 7
+    batch = parse_request(b'{"prompt": ["a b", [1, 2, 3, 4]], "n": 2}', "completions")
+    assert [q.size_chars for q in batch.prompts] == [3, 0] and batch.prompts[1].token_ids == 4
+    assert batch.sequences == 4
     plain = parse_request(b'{"prompt": [1, 2, 3]}', "completions")
     assert plain.prompt.token_ids == 3 and plain.forward_body(None) == b'{"prompt": [1, 2, 3]}'
     assert plain.max_output_tokens(3, 100) == 16  # vLLM's completions default
@@ -240,7 +244,8 @@ def test_parse_request_and_usage() -> None:
     for raw, kind, needle in [
             (b"{bad", "completions", "not valid JSON"), (b"[1]", "completions", "JSON object"),
             (b"", "completions", "empty body"), (b"{}", "completions", "'prompt' is required"),
-            (b'{"prompt": ["a", "b"]}', "completions", "one prompt per request"),
+            (b'{"prompt": ["a", {"b": 1}]}', "completions", "list of strings"),
+            (b'{"prompt": []}', "completions", "empty list"),
             (b'{"prompt": "a", "max_tokens": "5"}', "completions", "'max_tokens'"),
             (b'{"prompt": "a", "max_tokens": 0}', "completions", ">= 1"),
             (b'{"prompt": "a", "stream": "yes"}', "completions", "'stream'"),
@@ -255,9 +260,9 @@ def test_parse_request_and_usage() -> None:
     stream = (b'data: {"choices":[{"text":"a"}]}\n\n'
               b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":4}}\n\n'
               b"data: [DONE]\n\n")
-    kept, tokens = _take_usage(stream, strip=True)
+    kept, tokens = take_usage(stream, strip=True)
     assert tokens == 4 and b"usage" not in kept and kept.endswith(b"data: [DONE]\n\n")
-    assert _take_usage(stream, strip=False) == (stream, 4)
+    assert take_usage(stream, strip=False) == (stream, 4)
 
 
 def test_approx_counter() -> None:
@@ -325,11 +330,19 @@ def test_upstream_errors_retry_other_replica_else_503() -> None:
                     status, data, _ = await post(s, url, {"prompt": "x y", "stream": stream})
                     assert status == 200, data
                 assert sample(sidecar, "rlbatch:upstream_retries_total", pool="fp16") >= 1
-                good.faults.completion = "drop"  # both replicas fail now
+                good.faults.completion = "error500"  # both replicas fail now
                 status, data, headers = await post(s, url, {"prompt": "x y"})
                 message = json.loads(data)["error"]["message"]
                 assert status == 503 and message.startswith("upstream fp16#")
+                assert "answered 500" in message
                 assert headers.get("Retry-After") is not None
+                # A connection dropped after the request was sent: not sent again (the
+                # upstream may have received it), 502.
+                bad.faults.completion = good.faults.completion = "drop"
+                before = bad.counters.requests + good.counters.requests
+                status, data, _ = await post(s, url, {"prompt": "x y"})
+                assert status == 502 and "not retried" in json.loads(data)["error"]["message"]
+                assert bad.counters.requests + good.counters.requests == before + 1
                 assert sidecar.tickets == {}  # nothing left behind
                 assert all(u.running_total == 0 for u in sidecar.upstreams)
 
@@ -416,9 +429,11 @@ def test_queue_full_and_queue_timeout_answer_429_and_cancel_frees_slot() -> None
 
 def test_admin_switch_and_state() -> None:
     async def scenario() -> None:
+        settings = make_settings(("fp16", "http://127.0.0.1:9"), admin_token="a" * 16)
         async with fakes(Faults()) as (up,), \
-                running_sidecar(make_settings(("fp16", up.url)), "static:2") as (url, sidecar), \
-                aiohttp.ClientSession() as s:
+                running_sidecar(replace(settings, upstreams=(UpstreamSpec("fp16", up.url),)),
+                                "static:2") as (url, sidecar), \
+                aiohttp.ClientSession(headers={"Authorization": "Bearer " + "a" * 16}) as s:
             assert up.url in json.dumps(sidecar.state())
             async with s.post(url + "/admin/controller", json={"controller": "static:6"}) as r:
                 assert r.status == 200 and (await r.json())["controller"] == "static:6"
@@ -428,7 +443,7 @@ def test_admin_switch_and_state() -> None:
                 assert r.status == 400 and "unknown controller" in await r.text()
             async with s.post(url + "/admin/controller",
                               json={"controller": "ppo:/no/such/policy"}) as r:
-                assert r.status == 400 and "not found" in await r.text()
+                assert r.status == 400 and "allowed policy folders" in await r.text()
             assert sidecar.control.controller.name == "static:6"  # a failed switch changes nothing
 
     asyncio.run(scenario())

@@ -7,7 +7,7 @@ every 10 ms, never exceeds the sum of the caps routed to it); shadow mode change
 controller switch mid-run takes effect; a client disconnect cancels the upstream request;
 500 concurrent clients against a small queue all get an answer (200 or 429) with the
 sidecar's memory bounded; an upstream killed mid-stream and restarted loses no request
-(each one completes or gets an explicit error).
+(each one completes or gets an explicit error). Over-long prompts: vLLM's rule by default.
 
 The sidecar runs as ``serve.py`` in a child process, as it is deployed. About two minutes on
 2 cores (server start ~50 s, restart ~25 s).
@@ -322,8 +322,8 @@ def test_policy_switch_mid_run_takes_effect(servers: Servers, tmp_path: Path) ->
     async def scenario(url: str) -> None:
         async with aiohttp.ClientSession() as s:
             before = await phase(s, url, 2.0)
-            async with s.post(url + "/admin/controller",
-                              json={"controller": f"ppo:{policy}"}) as r:
+            async with s.post(url + "/admin/controller", json={"controller": f"ppo:{policy}"},
+                              headers={"Authorization": "Bearer " + "k" * 20}) as r:
                 assert r.status == 200, await r.text()
             after = await phase(s, url, 2.5)
             assert await sidecar_metric(
@@ -331,7 +331,8 @@ def test_policy_switch_mid_run_takes_effect(servers: Servers, tmp_path: Path) ->
         assert before["fp16"] <= 1.0, before  # static:1
         assert 1.0 < after["fp16"] <= 4.0, after  # the policy's cap 4
 
-    with sidecar(servers, tmp_path, "--controller", "static:1") as (url, _):
+    with sidecar(servers, tmp_path, "--controller", "static:1", "--admin-token", "k" * 20,
+                 "--policy-dir", str(tmp_path)) as (url, _):
         asyncio.run(scenario(url))
 
 
@@ -358,11 +359,12 @@ def test_client_disconnect_cancels_upstream_and_over_length(servers: Servers,
                 assert generated < 900
             assert await sidecar_metric(
                 s, url, 'rlbatch:requests_total{bucket="0-128",outcome="cancelled"}') == 2.0
-            # Over-long prompt (guard default: truncate, counted), then bad requests.
+            # Over-long prompt: refused as vLLM does (the default), then bad requests.
             o = await call(s, url, words=1300, max_tokens=8, stream=False, chat=False)
-            assert o.status == 200 and o.tokens == 8
+            assert o.status == 400 and o.error
             assert await sidecar_metric(
-                s, url, 'rlbatch:prompts_truncated_total{bucket="512+"}') == 1.0
+                s, url, 'rlbatch:requests_total{bucket="512+",outcome="rejected_too_long"}'
+            ) == 1.0
             async with s.post(url + "/v1/completions", data=b"{oops",
                               headers={"Content-Type": "application/json"}) as r:
                 assert r.status == 400 and "not valid JSON" in await r.text()
@@ -372,14 +374,22 @@ def test_client_disconnect_cancels_upstream_and_over_length(servers: Servers,
     with sidecar(servers, tmp_path, "--controller", "static:4") as (url, _):
         asyncio.run(scenario(url))
 
-    async def reject(url: str) -> None:
+    async def policy_answers(url: str, policy: str) -> None:
         async with aiohttp.ClientSession() as s:
             o = await call(s, url, words=1300, max_tokens=8, stream=False, chat=False)
+            if policy == "truncate":
+                assert o.status == 200 and o.tokens == 8
+                assert await sidecar_metric(
+                    s, url, 'rlbatch:prompts_truncated_total{bucket="512+"}') == 1.0
+                return
             assert o.status == 400 and o.error
+            o = await call(s, url, words=20, max_tokens=1020, stream=False, chat=False)
+            assert o.status == 400 and o.error  # stricter than vLLM: the sum must fit
 
-    with sidecar(servers, tmp_path, "--controller", "static:4", "--over-length",
-                 "reject") as (url, _):
-        asyncio.run(reject(url))
+    for policy in ("truncate", "reject"):
+        with sidecar(servers, tmp_path, "--controller", "static:4", "--over-length",
+                     policy) as (url, _):
+            asyncio.run(policy_answers(url, policy))
 
 
 def test_overload_500_clients_all_answered_memory_bounded(servers: Servers,

@@ -34,6 +34,11 @@ from rlbatch.commands.options import (
 )
 from rlbatch.control.controllers import make_controller
 from rlbatch.sidecar.app import create_app, serve
+from rlbatch.sidecar.options import (
+    add_production_options,
+    check_start_policy,
+    production_settings,
+)
 from rlbatch.sidecar.settings import TOKENIZER_MODES, SidecarSettings, UpstreamSpec
 
 ADMIN_TOKEN_ENV = "RLBATCH_ADMIN_TOKEN"
@@ -67,7 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--scrape-timeout-s", type=float, default=d.scrape_timeout_s)
     up.add_argument("--connect-timeout-s", type=float, default=d.connect_timeout_s)
     up.add_argument("--request-timeout-s", type=float, default=None,
-                    help="limit of one upstream request (default: none)")
+                    help="a hard total limit of one upstream request (default: none; "
+                         "--first-byte-timeout-s and --idle-timeout-s bound a hung upstream "
+                         "without cutting healthy long streams)")
 
     ctl = parser.add_argument_group("control")
     which = ctl.add_mutually_exclusive_group(required=True)
@@ -105,7 +112,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     adm.add_argument("--max-model-len", type=int, default=None,
                      help="longest prompt + output (default: the upstreams' max_model_len)")
     add_over_length_option(adm, default=None,
-                           default_text="default: the controller guard's choice")
+                           default_text="default: vLLM's own rule (the output is shortened "
+                                        "to fit; a prompt alone too long is refused)")
 
     srv = parser.add_argument_group("server")
     srv.add_argument("--host", default=d.host,
@@ -113,14 +121,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     srv.add_argument("--port", type=int, default=d.port)
     srv.add_argument("--admin-token", default=None,
                      help=f"bearer token of /admin/* (better: set ${ADMIN_TOKEN_ENV}, which "
-                          f"ps does not show); without one, /admin/* answers only on a "
-                          f"loopback bind")
+                          f"ps does not show; at least 16 characters); without one, /admin/* "
+                          f"is off (403)")
     srv.add_argument("--no-gpu-telemetry", dest="gpu_telemetry", action="store_false",
                      help="do not read GPU memory with NVML")
     srv.add_argument("--access-log", action="store_true", help="log every request")
     srv.add_argument("--log-level", default="INFO")
     srv.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
                      help="event loop (auto: uvloop when installed)")
+    add_production_options(parser)
 
 
 def settings_from_args(args: argparse.Namespace) -> SidecarSettings:
@@ -141,7 +150,7 @@ def settings_from_args(args: argparse.Namespace) -> SidecarSettings:
         gpu=args.gpu, model=args.model, scrape_timeout_s=args.scrape_timeout_s,
         connect_timeout_s=args.connect_timeout_s, request_timeout_s=args.request_timeout_s,
         admin_token=args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None,
-        gpu_telemetry=args.gpu_telemetry)
+        gpu_telemetry=args.gpu_telemetry, **production_settings(args))
 
 
 def controller_spec(args: argparse.Namespace) -> str:
@@ -193,6 +202,7 @@ def main(argv: list[str] | None = None, prog: str = "serve.py") -> int:
         parser.error(str(exc))
     spec = controller_spec(args)
     try:
+        check_start_policy(spec, settings)
         controller = make_controller(spec)
         app = create_app(settings, controller, controller_factory=make_controller)
     except (ValueError, OSError) as exc:

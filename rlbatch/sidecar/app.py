@@ -3,7 +3,7 @@
 Routes
 ======
 
-``POST /v1/completions``, ``POST /v1/chat/completions``
+``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``
     the OpenAI proxy (:mod:`rlbatch.sidecar.proxy`).
 ``GET /v1/models``
     the first reachable upstream's answer.
@@ -12,9 +12,24 @@ Routes
 ``GET /health``
     200 while the process serves (liveness); ``GET /ready``: 200 once every pool has a
     reachable upstream and the controller is in charge, else 503 with the reason.
+``POST /tokenize``, ``POST /detokenize``, ``GET /version``
+    passed through to a reachable upstream (they carry no generation load).
 ``GET /admin/state``, ``POST /admin/controller`` (``{"controller": "static:8"}``)
-    state, and switching the controller at run time; open on a loopback bind, else only
-    with ``admin_token``.
+    state, and switching the controller at run time; off (403) unless ``admin_token`` is
+    set, then only with ``Authorization: Bearer TOKEN``. ``ppo:PATH`` must resolve under one
+    of ``policy_dirs`` and its files be regular and at most ``max_policy_bytes``, checked
+    before anything reads them (:mod:`rlbatch.sidecar.policy_files`).
+
+Any other path answers vLLM's (FastAPI's) JSON 404 ``{"detail": "Not Found"}`` (405
+``{"detail": "Method Not Allowed"}`` for a known path asked with another method).
+Background responses, stored-response retrieval and vLLM's other generation endpoints are not
+served (docs/sidecar.md).
+
+With ``metrics_port`` set, ``/metrics`` and ``/admin/*`` move to that port (with ``/health``
+and ``/ready``), so the Service that exposes the API port exposes neither.
+
+The server bounds its clients (:mod:`rlbatch.sidecar.connections`): keep-alive idle
+``keepalive_timeout_s``, request head ``header_timeout_s``, ``max_connections``.
 """
 
 from __future__ import annotations
@@ -22,22 +37,53 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import hmac
+import json
 import logging
 import signal
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from rlbatch.control.controllers import Controller
+from rlbatch.sidecar.bodies import Refused, json_error
+from rlbatch.sidecar.connections import (
+    ConnectionGuard,
+    GuardedSite,
+    Handler,
+    default_max_connections,
+    quiet_bad_requests,
+)
 from rlbatch.sidecar.control_tick import ControllerFactory
-from rlbatch.sidecar.proxy import UPSTREAM_FAILURES, CompletionProxy, json_error
+from rlbatch.sidecar.policy_files import (
+    PolicyPathError,
+    check_policy_dir,
+    confined_policy,
+    policy_path_of,
+)
+from rlbatch.sidecar.proxy import UPSTREAM_FAILURES, CompletionProxy
 from rlbatch.sidecar.service import Sidecar
 from rlbatch.sidecar.settings import SidecarSettings
 
 _LOG = logging.getLogger("rlbatch.sidecar")
 
 SIDECAR = web.AppKey("rlbatch_sidecar", Sidecar)
+GUARD = web.AppKey("rlbatch_connection_guard", ConnectionGuard)
+CONTROL_APP = web.AppKey("rlbatch_control_app", web.Application)
+"""The app of the metrics port (``/metrics``, ``/health``, ``/ready``, ``/admin/*``), when
+``metrics_port`` is set."""
+
+CATCH_ALL = "/{tail:.*}"
+"""The last route's path: everything no other route serves."""
+
+CONTROL_CONNECTIONS = 64
+"""Connections the metrics port holds at once (scrapers, probes, an operator)."""
+
+PASS_THROUGH: tuple[tuple[str, str], ...] = (("POST", "/tokenize"), ("POST", "/detokenize"),
+                                             ("GET", "/version"))
+"""vLLM endpoints without generation load, passed to a reachable upstream as they are."""
 
 
 class ServiceRoutes:
@@ -57,21 +103,43 @@ class ServiceRoutes:
 
         :param request: the request.
         """
+        return await self.pass_through(request)
+
+    async def pass_through(self, request: web.Request) -> web.Response:
+        """The request as it is to the first reachable upstream, its answer back (body
+        within the sidecar's body limits; the upstream's answer within the idle limit).
+
+        :param request: the request.
+        """
         sc = self.sc
         assert sc.session is not None
-        target = next((u for u in sc.upstreams if u.healthy), None)
-        if target is None:
-            return json_error(503, "no reachable upstream", "service_unavailable",
-                              headers=self.retry_after)
+        held = 0
+        body = b""
+        if request.method == "POST":
+            try:
+                body, held = await self.proxy.read_body(request)
+            except Refused as refused:
+                return refused.response
         try:
-            async with sc.session.get(target.url + "/v1/models",
-                                      headers=self.proxy.headers(request)) as resp:
-                data = await resp.read()
-                return web.Response(status=resp.status, body=data,
-                                    content_type=resp.content_type or "application/json")
-        except UPSTREAM_FAILURES as exc:
-            return json_error(503, f"upstream {target.name} failed: {exc}",
-                              "service_unavailable", headers=self.retry_after)
+            target = next((u for u in sc.upstreams if u.healthy), None)
+            if target is None:
+                return json_error(503, "no reachable upstream", "service_unavailable",
+                                  headers=self.retry_after)
+            timeout = aiohttp.ClientTimeout(total=sc.settings.idle_timeout_s,
+                                            connect=sc.settings.connect_timeout_s)
+            try:
+                async with sc.session.request(request.method, target.url + request.path,
+                                              data=body or None, timeout=timeout,
+                                              headers=self.proxy.headers(request)) as resp:
+                    data = await resp.read()
+                    return web.Response(status=resp.status, body=data,
+                                        content_type=resp.content_type or "application/json")
+            except UPSTREAM_FAILURES as exc:
+                return json_error(503, f"upstream {target.name} failed: "
+                                  f"{exc or type(exc).__name__}", "service_unavailable",
+                                  headers=self.retry_after)
+        finally:
+            self.proxy.release(held)
 
     async def metrics(self, request: web.Request) -> web.Response:
         """``GET /metrics``: the sidecar's Prometheus metrics.
@@ -103,15 +171,15 @@ class ServiceRoutes:
         return web.json_response({"status": "not ready", "reason": reason}, status=503)
 
     def _admin_refusal(self, request: web.Request) -> web.Response | None:
-        settings = self.sc.settings
-        if settings.admin_token is not None:
-            if request.headers.get("Authorization") != f"Bearer {settings.admin_token}":
-                return json_error(401, "admin endpoints need 'Authorization: Bearer TOKEN'",
-                                  "authentication_error")
-            return None
-        if not settings.binds_loopback:
-            return json_error(403, "admin endpoints are off on a non-loopback bind without "
-                              "--admin-token", "permission_error")
+        token = self.sc.settings.admin_token
+        if token is None:
+            return json_error(403, "admin endpoints are off: start the sidecar with "
+                              "--admin-token (or $RLBATCH_ADMIN_TOKEN) to use them",
+                              "permission_error")
+        given = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(given, f"Bearer {token}".encode()):
+            return json_error(401, "admin endpoints need 'Authorization: Bearer TOKEN'",
+                              "authentication_error")
         return None
 
     async def admin_state(self, request: web.Request) -> web.Response:
@@ -131,13 +199,24 @@ class ServiceRoutes:
         if refusal is not None:
             return refusal
         try:
-            body: Any = await request.json()
-        except ValueError as exc:
+            raw, held = await self.proxy.read_body(request)
+        except Refused as refused:
+            return refused.response
+        try:
+            body: Any = json.loads(raw)
+        except (ValueError, RecursionError) as exc:
             return json_error(400, f"body is not valid JSON: {exc}", "invalid_request_error")
+        finally:
+            self.proxy.release(held)
         spec = body.get("controller") if isinstance(body, dict) else None
         if not isinstance(spec, str) or not spec:
             return json_error(400, "field 'controller' (e.g. \"static:8\", \"playbook\", "
                               "\"ppo:PATH\") is required", "invalid_request_error",
+                              param="controller")
+        try:
+            spec = self._checked_spec(spec)
+        except PolicyPathError as exc:
+            return json_error(400, f"cannot switch to {spec!r}: {exc}", "invalid_request_error",
                               param="controller")
         try:
             controller = await self.sc.control.switch_controller(spec)
@@ -146,6 +225,40 @@ class ServiceRoutes:
                               param="controller")
         return web.json_response({"controller": controller.name,
                                   "in_force": self.sc.state()["in_force"]})
+
+    def _checked_spec(self, spec: str) -> str:
+        """``spec`` with a ``ppo:PATH`` confined to the policy folders and checked before
+        anything reads it; other controllers may not name files.
+
+        :param spec: the controller name sent.
+        :raises PolicyPathError: refused.
+        """
+        settings = self.sc.settings
+        path = policy_path_of(spec)
+        if path is None:
+            _, _, arg = spec.partition(":")
+            if "/" in arg or "\\" in arg:
+                raise PolicyPathError("only ppo:PATH controllers may name files")
+            return spec
+        resolved = confined_policy(path, settings.policy_dirs)
+        check_policy_dir(resolved, settings.max_policy_bytes)
+        return f"ppo:{resolved}"
+
+
+def not_found(served: web.Application) -> Handler:
+    """The last route of ``served``: vLLM's (FastAPI's) JSON answer to an unknown path (404)
+    or to a known path asked with another method (405).
+
+    :param served: the application whose routes are known.
+    """
+    async def answer(request: web.Request) -> web.Response:
+        known = any(r.canonical == request.path for r in served.router.resources()
+                    if r.canonical != CATCH_ALL)
+        if known:
+            return web.json_response({"detail": "Method Not Allowed"}, status=405)
+        return web.json_response({"detail": "Not Found"}, status=404)
+
+    return answer
 
 
 def create_app(settings: SidecarSettings, controller: Controller, *,
@@ -163,16 +276,42 @@ def create_app(settings: SidecarSettings, controller: Controller, *,
     sidecar = Sidecar(settings, controller, controller_factory)
     proxy = CompletionProxy(sidecar)
     routes = ServiceRoutes(sidecar, proxy)
+    upstream_connections = settings.max_num_seqs * len(settings.upstreams) + 2 * len(
+        settings.upstreams)
+    guard = ConnectionGuard(settings.max_connections
+                            or default_max_connections(upstream_connections),
+                            settings.header_timeout_s, sidecar.metrics)
     app = web.Application(client_max_size=settings.max_body_bytes)
     app[SIDECAR] = sidecar
-    app.router.add_post("/v1/completions", proxy.completions)
-    app.router.add_post("/v1/chat/completions", proxy.chat)
-    app.router.add_get("/v1/models", routes.models)
-    app.router.add_get("/metrics", routes.metrics)
-    app.router.add_get("/health", routes.health)
-    app.router.add_get("/ready", routes.ready)
-    app.router.add_get("/admin/state", routes.admin_state)
-    app.router.add_post("/admin/controller", routes.admin_controller)
+    app[GUARD] = guard
+    control = app
+    if settings.metrics_port is not None:
+        # /metrics and /admin/* on their own port, which the Service does not expose
+        control = web.Application(client_max_size=64 * 1024)
+        control[GUARD] = ConnectionGuard(CONTROL_CONNECTIONS, settings.header_timeout_s,
+                                         sidecar.metrics)
+        app[CONTROL_APP] = control
+
+    def add(target: web.Application, method: str, path: str, handler: Handler) -> None:
+        # each handler marks its connection busy for the connection guard
+        target.router.add_route(method, path, target[GUARD].tracked(handler))
+
+    add(app, "POST", "/v1/completions", proxy.completions)
+    add(app, "POST", "/v1/chat/completions", proxy.chat)
+    add(app, "POST", "/v1/responses", proxy.responses)
+    add(app, "GET", "/v1/models", routes.models)
+    for method, path in PASS_THROUGH:
+        add(app, method, path, routes.pass_through)
+    for served in {id(app): app, id(control): control}.values():
+        add(served, "GET", "/health", routes.health)
+        add(served, "GET", "/ready", routes.ready)
+    add(control, "GET", "/metrics", routes.metrics)
+    add(control, "GET", "/admin/state", routes.admin_state)
+    add(control, "POST", "/admin/controller", routes.admin_controller)
+    for served in {id(app): app, id(control): control}.values():
+        # last: any other path answers vLLM's JSON 404 (a route, not a middleware: no
+        # cost on the request path)
+        served.router.add_route("*", CATCH_ALL, not_found(served))
     app.cleanup_ctx.append(sidecar.lifespan)
     return app
 
@@ -190,18 +329,33 @@ async def serve(app: web.Application, settings: SidecarSettings, *,
     :param access_log: log every request (off by default: it costs latency).
     """
     stop = stop or asyncio.Event()
+    log = logging.getLogger("aiohttp.access") if access_log else None
+    # after an answer that left the body unread (413, 408), read and drop the rest for at
+    # most lingering_time, then close
     runner = web.AppRunner(app, handler_cancellation=True,
-                           access_log=logging.getLogger("aiohttp.access") if access_log
-                           else None)
+                           keepalive_timeout=settings.keepalive_timeout_s, lingering_time=1.0,
+                           access_log=log)
+    control = app.get(CONTROL_APP)
+    control_runner = None if control is None else web.AppRunner(
+        control, keepalive_timeout=settings.keepalive_timeout_s, lingering_time=1.0,
+        access_log=log)
+    undo_quiet = quiet_bad_requests(app[SIDECAR].metrics)
     await runner.setup()
+    if control_runner is not None:
+        await control_runner.setup()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     try:
-        site = web.TCPSite(runner, settings.host, settings.port, backlog=2048,
-                           reuse_address=True)
+        site = GuardedSite(runner, settings.host, settings.port, app[GUARD], backlog=2048)
         await site.start()
+        if control_runner is not None and control is not None:
+            assert settings.metrics_port is not None
+            await GuardedSite(control_runner, settings.host, settings.metrics_port,
+                              control[GUARD], backlog=128).start()
+            _LOG.info("metrics and admin on http://%s:%d", settings.host,
+                      settings.metrics_port)
         # Everything built so far lives as long as the server: keep it out of the garbage
         # collector's generations, so collections stay short on the request path.
         gc.freeze()
@@ -211,4 +365,7 @@ async def serve(app: web.Application, settings: SidecarSettings, *,
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.remove_signal_handler(sig)
+        if control_runner is not None:
+            await control_runner.cleanup()
         await runner.cleanup()
+        undo_quiet()

@@ -1,9 +1,19 @@
 """The OpenAI request bodies the sidecar reads: validation, prompt extraction, forwarding.
 
-Only what admission needs is read (prompt, ``max_tokens``, ``stream``); everything else goes
-to the upstream untouched, and the original bytes are forwarded unless the sidecar has to add
-something (``stream_options.include_usage`` to count streamed tokens, ``truncate_prompt_tokens``
-for an over-long prompt).
+Only what admission needs is read (prompt, ``max_tokens``, ``stream``, ``n``); everything
+else goes to the upstream untouched, and the original bytes are forwarded unless the sidecar
+has to add something (``stream_options.include_usage`` to count streamed tokens,
+``truncate_prompt_tokens`` for an over-long prompt under the ``truncate`` policy).
+
+``POST /v1/responses`` (the Responses API) is read the same way: its ``input`` (and
+``instructions``) as chat messages, ``max_output_tokens``, ``stream``; its answer's usage is
+``output_tokens``. ``background`` responses are refused: their generation outlives the
+request, so admission could not count it.
+
+A list of prompts (strings or token-id lists) is one request for vLLM, a batch answered with
+one choice per prompt; here too: it is bucketed by its longest prompt and takes one slot of
+its bucket's cap, like ``n`` > 1. ``n`` (or ``best_of``) times the number of prompts is bounded
+by ``max_sequences``.
 """
 
 from __future__ import annotations
@@ -14,10 +24,11 @@ from typing import Any, Literal
 
 from rlbatch.sidecar.tokens import Prompt
 
-Kind = Literal["completions", "chat"]
+Kind = Literal["completions", "chat", "responses"]
 
 #: vLLM's default ``max_tokens`` of ``/v1/completions`` (OpenAI's): 16.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
 
 
 class BadRequest(ValueError):
@@ -25,12 +36,16 @@ class BadRequest(ValueError):
 
     :param message: the reason, naming the offending field.
     :param param: the field, when one is to blame.
+    :param limit: the sidecar bound it tripped (a ``limit`` label of
+        ``rlbatch:limit_trips_total``), if any.
     """
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None,
+                 limit: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.limit = limit
 
 
 @dataclass(slots=True)
@@ -40,19 +55,36 @@ class ParsedRequest:
     :param kind: ``completions`` or ``chat``.
     :param body: the decoded JSON object.
     :param raw: the bytes as received.
-    :param prompt: what the prompt counters need.
+    :param prompts: what the prompt counters need, one per prompt of the request.
     :param stream: the client asked for a stream.
     :param wants_usage: the client asked for the final usage chunk of a stream.
     :param max_tokens: the client's output limit (``None``: vLLM's default).
+    :param sequences: sequences the request asks for (``n`` times the prompts).
     """
 
     kind: Kind
     body: dict[str, Any]
     raw: bytes
-    prompt: Prompt
+    prompts: tuple[Prompt, ...]
     stream: bool
     wants_usage: bool
     max_tokens: int | None
+    sequences: int = 1
+
+    @property
+    def usage_key(self) -> bytes:
+        """The JSON key of the generated-token count in this kind's answer."""
+        return b'"output_tokens":' if self.kind == "responses" else b'"completion_tokens":'
+
+    @property
+    def prompt(self) -> Prompt:
+        """The first (usually the only) prompt."""
+        return self.prompts[0]
+
+    @property
+    def size_chars(self) -> int:
+        """Characters of the longest prompt (token-id prompts count none)."""
+        return max(p.size_chars for p in self.prompts)
 
     def max_output_tokens(self, prompt_tokens: int, max_model_len: int) -> int:
         """Output tokens the request may generate, as vLLM will apply it.
@@ -66,6 +98,17 @@ class ParsedRequest:
             return COMPLETIONS_DEFAULT_MAX_TOKENS
         return max(1, max_model_len - prompt_tokens)
 
+    def fitted_output_tokens(self, prompt_tokens: int, max_model_len: int) -> int:
+        """Output tokens vLLM will let the request generate: its ``max_tokens`` (or the
+        default) shortened so that prompt + output fit ``max_model_len`` (vLLM's
+        ``get_max_tokens``).
+
+        :param prompt_tokens: counted prompt length (< ``max_model_len``).
+        :param max_model_len: the upstreams' context length.
+        """
+        return max(1, min(self.max_output_tokens(prompt_tokens, max_model_len),
+                          max_model_len - prompt_tokens))
+
     def forward_body(self, truncate_to: int | None) -> bytes:
         """Bytes to send upstream.
 
@@ -73,10 +116,15 @@ class ParsedRequest:
             it whole).
         """
         changes: dict[str, Any] = {}
+        if self.kind == "responses":  # usage always ends the answer; no truncation field
+            return self.raw
         if self.stream and not self.wants_usage:
             options = self.body.get("stream_options")
             options = dict(options) if isinstance(options, dict) else {}
             options["include_usage"] = True
+            # vLLM sends per-chunk usage only with include_usage; the client did not ask for
+            # it, so turning include_usage on must not turn continuous usage on.
+            options.pop("continuous_usage_stats", None)
             changes["stream_options"] = options
         if truncate_to is not None:
             changes["truncate_prompt_tokens"] = truncate_to
@@ -96,24 +144,35 @@ def _int_field(body: dict[str, Any], name: str, minimum: int) -> int | None:
     return value
 
 
-def _completion_prompt(body: dict[str, Any]) -> Prompt:
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _completion_prompts(body: dict[str, Any]) -> tuple[Prompt, ...]:
     if "prompt" not in body:
         raise BadRequest("field 'prompt' is required", "prompt")
     prompt = body["prompt"]
     model = body.get("model") if isinstance(body.get("model"), str) else None
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
     if isinstance(prompt, str):
-        return Prompt(text=prompt, model=model)
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
-                                        for t in prompt):
-        if not prompt:
-            raise BadRequest("field 'prompt' must not be an empty token list", "prompt")
-        return Prompt(token_ids=len(prompt), model=model)
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise BadRequest(f"field 'prompt' holds {len(prompt)} prompts; the sidecar admits one "
-                         f"prompt per request (send them as separate requests)", "prompt")
-    raise BadRequest("field 'prompt' must be a string or a list of token ids", "prompt")
+        return (Prompt(text=prompt, model=model),)
+    if isinstance(prompt, list) and prompt == []:
+        raise BadRequest("field 'prompt' must not be an empty list", "prompt")
+    if _is_token_ids(prompt):
+        return (Prompt(token_ids=len(prompt), model=model),)
+    if isinstance(prompt, list):
+        prompts: list[Prompt] = []
+        for item in prompt:
+            if isinstance(item, str):
+                prompts.append(Prompt(text=item, model=model))
+            elif _is_token_ids(item):
+                prompts.append(Prompt(token_ids=len(item), model=model))
+            else:
+                raise BadRequest("field 'prompt' must be a string, a list of token ids, or a "
+                                 "list of strings or of token-id lists", "prompt")
+        return tuple(prompts)
+    raise BadRequest("field 'prompt' must be a string, a list of token ids, or a list of "
+                     "strings or of token-id lists", "prompt")
 
 
 def _message_text(content: Any, index: int) -> str:
@@ -149,12 +208,44 @@ def _chat_prompt(body: dict[str, Any]) -> Prompt:
     return Prompt(messages=tuple(texts), raw_messages=messages, model=model)
 
 
-def parse_request(raw: bytes, kind: Kind) -> ParsedRequest:
-    """Validate a ``/v1/completions`` or ``/v1/chat/completions`` body.
+def _responses_prompt(body: dict[str, Any]) -> Prompt:
+    given = body.get("input")
+    if given is None:
+        raise BadRequest("field 'input' is required", "input")
+    items = [given] if isinstance(given, str) else given
+    if not isinstance(items, list) or not items:
+        raise BadRequest("field 'input' must be a string or a non-empty list", "input")
+    messages: list[dict[str, str]] = []
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        messages.append({"role": "system", "content": instructions})
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            messages.append({"role": "user", "content": item})
+        elif isinstance(item, dict):
+            role = item.get("role") if isinstance(item.get("role"), str) else "user"
+            content = item.get("content", item.get("output"))
+            text = _message_text(content, i) if not isinstance(content, dict) else ""
+            messages.append({"role": str(role), "content": text})
+        else:
+            raise BadRequest(f"input[{i}] must be a string or an object", "input")
+    if body.get("background"):
+        raise BadRequest("background responses are not served through the sidecar: their "
+                         "generation outlives the request, so admission could not count it",
+                         "background")
+    model = body.get("model") if isinstance(body.get("model"), str) else None
+    return Prompt(messages=tuple(m["content"] for m in messages), raw_messages=messages,
+                  model=model)
+
+
+def parse_request(raw: bytes, kind: Kind, max_sequences: int = 16) -> ParsedRequest:
+    """Validate a ``/v1/completions``, ``/v1/chat/completions`` or ``/v1/responses`` body.
 
     :param raw: the body bytes.
     :param kind: which endpoint received it.
-    :raises BadRequest: not JSON, not an object, a required field missing or mistyped.
+    :param max_sequences: most sequences (``n`` or ``best_of``, times the prompts) allowed.
+    :raises BadRequest: not JSON, nested too deeply to decode, not an object, a required
+        field missing or mistyped, too many sequences.
     """
     if not raw:
         raise BadRequest("empty body: expected a JSON object")
@@ -162,9 +253,14 @@ def parse_request(raw: bytes, kind: Kind) -> ParsedRequest:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(f"body is not valid JSON: {exc}") from None
+    except RecursionError:  # the C decoder recurses once per level
+        raise BadRequest("body is nested too deeply to decode", limit="json_depth") from None
     if not isinstance(body, dict):
         raise BadRequest(f"body must be a JSON object, got {type(body).__name__}")
-    prompt = _completion_prompt(body) if kind == "completions" else _chat_prompt(body)
+    if kind == "completions":
+        prompts = _completion_prompts(body)
+    else:
+        prompts = (_chat_prompt(body) if kind == "chat" else _responses_prompt(body),)
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -173,25 +269,35 @@ def parse_request(raw: bytes, kind: Kind) -> ParsedRequest:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise BadRequest("field 'stream_options' must be an object", "stream_options")
-    wants_usage = bool(options and options.get("include_usage"))
-    max_tokens = _int_field(body, "max_tokens", 1)
+    # a response's usage always comes with its answer: nothing to ask for or strip
+    wants_usage = kind == "responses" or bool(options and options.get("include_usage"))
+    max_tokens = _int_field(body, "max_output_tokens" if kind == "responses" else
+                            "max_tokens", 1)
     if kind == "chat":
         completion = _int_field(body, "max_completion_tokens", 1)
         if completion is not None:
             max_tokens = completion
-    _int_field(body, "n", 1)
-    return ParsedRequest(kind=kind, body=body, raw=raw, prompt=prompt, stream=stream,
-                         wants_usage=wants_usage, max_tokens=max_tokens)
+    n = _int_field(body, "n", 1) or 1
+    best_of = _int_field(body, "best_of", 1) or 1
+    for name, value in (("n", n), ("best_of", best_of)):
+        if value * len(prompts) > max_sequences:
+            per = f" ({len(prompts)} prompts x {name}={value})" if len(prompts) > 1 else ""
+            raise BadRequest(f"field {name!r} asks for {value * len(prompts)} sequences{per}; "
+                             f"this server allows at most {max_sequences} per request", name,
+                             "sequences")
+    return ParsedRequest(kind=kind, body=body, raw=raw, prompts=prompts, stream=stream,
+                         wants_usage=wants_usage, max_tokens=max_tokens,
+                         sequences=max(n, best_of) * len(prompts))
 
 
-def completion_tokens(data: bytes) -> int | None:
+def completion_tokens(data: bytes, key: bytes = b'"completion_tokens":') -> int | None:
     """``usage.completion_tokens`` of a response body or usage chunk, found without decoding
     the whole JSON (vLLM writes compact JSON with ``usage`` last; a quote inside generated
     text is escaped, so the key cannot be faked by the text).
 
     :param data: JSON bytes.
+    :param key: the count's key (``"output_tokens":`` in a Responses API answer).
     """
-    key = b'"completion_tokens":'
     at = data.rfind(key)
     if at < 0:
         return None

@@ -49,6 +49,7 @@ name                                              type       labels
 ``rlbatch:upstream_up``                           gauge      upstream, pool
 ``rlbatch:shadow_mode``                           gauge
 ``rlbatch:controller_info``                       gauge      controller
+``rlbatch:sla_target_seconds``                    gauge      metric (``ttft``, ``tpot``)
 ``rlbatch:decision_seconds``                      histogram
 ``rlbatch:tick_seconds``                          histogram  (scrape + stats + decide + apply)
 ``rlbatch:control_ticks_total``                   counter
@@ -62,6 +63,10 @@ name                                              type       labels
 ``rlbatch:time_to_first_token_seconds``           histogram  bucket (streamed requests)
 ``rlbatch:request_queue_time_seconds``            histogram  bucket
 ``rlbatch:tokenize_seconds``                      histogram  counter
+``rlbatch:limit_trips_total``                     counter    limit (see :data:`LIMITS`)
+``rlbatch:held_body_bytes``                       gauge      (request bodies held now)
+``rlbatch:connections_open``                      gauge      (client connections)
+``rlbatch:requests_counting``                     gauge      (prompts being tokenised)
 ================================================  =========  ============================
 """
 
@@ -69,19 +74,28 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from rlbatch.control.stats_metrics import METRICS, MetricContext, StatMetric
-from rlbatch.control.types import ControlAction, DeploymentStats
+from rlbatch.control.types import SLA, ControlAction, DeploymentStats
 
 OUTCOMES: tuple[str, ...] = ("ok", "rejected_queue_full", "rejected_too_long",
                              "queue_timeout", "upstream_error", "upstream_client_error",
-                             "cancelled", "unavailable")
+                             "cancelled", "unavailable", "upstream_timeout")
 """How a request that reached admission left the sidecar."""
+
+LIMITS: tuple[str, ...] = (
+    "body_size", "held_bytes", "header_size", "header_timeout", "body_timeout",
+    "connections", "tokenize_timeout", "tokenize_error", "upstream_connect",
+    "upstream_first_byte", "upstream_idle", "upstream_total", "json_depth", "sequences")
+"""Every bound the sidecar enforces, as the ``limit`` label of ``rlbatch:limit_trips_total``:
+request body size, bytes held by waiting requests, header size, slow header / body,
+connection count, ``/tokenize`` time / failure (approximate count used), the upstream's
+connect / first-byte / idle / total time, JSON nesting, sequences per request."""
 
 LATENCY_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                                       10.0, 20.0, 40.0, 80.0, 160.0)
@@ -150,6 +164,29 @@ class SnapshotMetrics:
             yield family
 
 
+@dataclass
+class LoadGauges:
+    """What the sidecar holds now, kept as plain integers by the request path and the
+    connection guard (no lock per request) and read at scrape time.
+
+    :param held_body_bytes: request-body bytes held by the requests inside the sidecar.
+    :param connections_open: client connections open.
+    :param requests_counting: requests whose prompt is being tokenised.
+    """
+
+    held_body_bytes: int = 0
+    connections_open: int = 0
+    requests_counting: int = 0
+
+    def families(self) -> Iterator[Metric]:
+        """The three gauges."""
+        for name, doc in (("held_body_bytes", "Request-body bytes held by the requests "
+                           "inside the sidecar"),
+                          ("connections_open", "Client connections open"),
+                          ("requests_counting", "Requests whose prompt is being tokenised")):
+            yield GaugeMetricFamily(f"rlbatch:{name}", doc, value=float(getattr(self, name)))
+
+
 @dataclass(frozen=True)
 class ControlState:
     """The sidecar's control state at scrape time (not part of any tick's snapshot).
@@ -161,6 +198,7 @@ class ControlState:
     :param upstreams: ``(name, pool, reachable)`` per upstream.
     :param shadow: shadow mode.
     :param controller: the controller's name.
+    :param sla: the SLA in force (its limits are exported for dashboards and alerts).
     """
 
     in_force: ControlAction
@@ -170,6 +208,7 @@ class ControlState:
     upstreams: tuple[tuple[str, str, bool], ...]
     shadow: bool
     controller: str
+    sla: SLA = field(default_factory=SLA)
 
 
 def control_state_families(state: ControlState) -> Iterator[Metric]:
@@ -201,6 +240,11 @@ def control_state_families(state: ControlState) -> Iterator[Metric]:
                             labels=["controller"])
     ctl.add_metric([state.controller], 1.0)
     yield ctl
+    sla = GaugeMetricFamily("rlbatch:sla_target_seconds", "The SLA's per-request limit",
+                            labels=["metric"])
+    sla.add_metric(["ttft"], state.sla.ttft_s)
+    sla.add_metric(["tpot"], state.sla.tpot_s)
+    yield sla
 
 
 class SidecarMetrics:
@@ -256,4 +300,17 @@ class SidecarMetrics:
         self.tokenize_seconds = Histogram("rlbatch:tokenize_seconds", "Prompt token count "
                                           "time", ["counter"], buckets=FAST_BUCKETS,
                                           registry=reg)
+        trips = Counter("rlbatch:limit_trips", "Times a request or connection hit one of the "
+                        "sidecar's bounds", ["limit"], registry=reg)
+        self.limit_trips = {name: trips.labels(name) for name in LIMITS}
+        #: read when /metrics is scraped: the request path only changes plain integers
+        self.load = LoadGauges()
+        reg.register(_Live(self.load.families))
         reg.register(_Live(lambda: control_state_families(control_state())))
+
+    def trip(self, limit: str) -> None:
+        """Count one trip of ``limit`` (one of :data:`LIMITS`).
+
+        :param limit: the bound.
+        """
+        self.limit_trips[limit].inc()

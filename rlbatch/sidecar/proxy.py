@@ -1,36 +1,43 @@
 """The sidecar's OpenAI proxy: validate, count, admit and forward completions (streamed or not).
 
-``POST /v1/completions`` and ``POST /v1/chat/completions`` are validated (400 with a reason),
-counted, bucketed, queued (429 + ``Retry-After`` when the bucket's queue is full or the
-request waited ``queue_timeout_s``), forwarded to the pool its bucket is routed to when the
-bucket is under its cap there; streamed responses are passed through chunk by chunk. An
-upstream that cannot be reached or answers 5xx before anything was sent to the client is
-retried on another replica of the same pool, else the client gets 503 with the reason; an
-upstream dying mid-stream ends the stream with an OpenAI-style error event. A client that
-disconnects cancels its upstream request (the upstream connection is closed; vLLM aborts the
-request).
+``POST /v1/completions``, ``/v1/chat/completions`` and ``/v1/responses`` are read within bounds
+(:mod:`rlbatch.sidecar.bodies`: 413, 429, 408), validated (400 with a reason), counted,
+bucketed, queued (429 + ``Retry-After`` when the bucket's queue is full or the request waited
+``queue_timeout_s``), forwarded to the pool its bucket is routed to when the bucket is under
+its cap there; streamed responses are passed through chunk by chunk.
 
-Wall-clock times are the sidecar's: TTFT is the arrival at the sidecar to the first
-streamed chunk (vLLM sends the first token in the first chunk); TPOT comes from the token
-count in the response's usage (requested from the upstream for streams, and stripped from
-the stream again unless the client asked for it). A non-streamed response shows no first
-token, so its TPOT is the upstream's mean inter-token latency over the last tick and its
-TTFT the rest of its time.
+Over-length requests follow vLLM by default (:mod:`rlbatch.sidecar.lengths`): the output is
+shortened, the body goes upstream untouched; ``--over-length truncate|reject`` choose the
+sidecar's own policies.
+
+Upstream failures: one that was never reached (connect error or timeout) or answered 5xx
+before anything was sent to the client is retried on another replica of the same pool, else
+503; a connection dropped after the request was sent is NOT retried (the upstream may have
+received it: sending it again is not safe for every use), 502; an answer that does not start
+within ``first_byte_timeout_s``, 504; a 200 that is not JSON, 502. A stream that fails or stalls
+for ``idle_timeout_s`` mid-way ends with an OpenAI-style error event. A client that disconnects
+cancels its upstream request (the upstream connection is closed; vLLM aborts the request).
+
+Times are the sidecar's: TTFT is arrival to the first streamed chunk; TPOT comes from the
+usage's token count (a stream's usage chunk is requested, then stripped unless the client
+asked for it). A non-streamed answer's TPOT is the upstream's mean inter-token latency over
+the last tick, its TTFT the rest of its time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
-import time
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import Histogram
 from yarl import URL
 
 from rlbatch.engine.stats import FinishedRequest
 from rlbatch.request import Request
+from rlbatch.sidecar.bodies import ERROR_TYPES, BodyReader, Refused, json_error
+from rlbatch.sidecar.lengths import PromptSizer, over_policy
 from rlbatch.sidecar.openai import (
     BadRequest,
     Kind,
@@ -39,8 +46,20 @@ from rlbatch.sidecar.openai import (
     error_body,
     parse_request,
 )
+from rlbatch.sidecar.responses import (
+    UsageStripper,
+    looks_like_json_object,
+    send,
+    take_usage,
+)
 from rlbatch.sidecar.service import Sidecar
 from rlbatch.sidecar.upstream import QUEUED, HttpUpstream, Ticket
+from rlbatch.sidecar.watchdog import ProgressWatchdog, UpstreamTimeout
+
+RESPONSE_ENDS: tuple[bytes, ...] = (b'"type":"response.completed"',
+                                    b'"type":"response.incomplete"',
+                                    b'"type":"response.failed"')
+"""The events that end a Responses API stream (it sends no ``[DONE]``)."""
 
 PASS_HEADERS: tuple[str, ...] = ("Authorization", "X-Request-Id")
 """Client headers passed on to the upstream."""
@@ -54,22 +73,20 @@ CONNECT_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientConnectorError,
 """Failures that mean the upstream is not there: it is marked down until a scrape succeeds."""
 
 
-def json_error(status: int, message: str, kind: str, *, param: str | None = None,
-               headers: dict[str, str] | None = None) -> web.Response:
-    """An OpenAI-style JSON error response.
+class _UpstreamFailed(Exception):
+    """One try on one upstream failed before the client got anything.
 
-    :param status: HTTP status.
+    :param status: the answer if no other replica takes it (502, 503 or 504).
     :param message: the reason.
-    :param kind: error type.
-    :param param: offending field.
-    :param headers: extra headers (``Retry-After``).
+    :param retry: safe to send to another replica (the upstream never got it, or answered
+        an error).
     """
-    return web.Response(status=status, body=error_body(message, kind, status, param),
-                        content_type="application/json", headers=headers)
 
-
-class _Upstream503(Exception):
-    """The request could not be served by any replica; answered 503."""
+    def __init__(self, status: int, message: str, retry: bool) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.retry = retry
 
 
 class CompletionProxy:
@@ -81,8 +98,9 @@ class CompletionProxy:
     def __init__(self, sidecar: Sidecar) -> None:
         self.sc = sidecar
         self.retry_after = {"Retry-After": str(sidecar.settings.retry_after_s)}
-        self._tokenize_timers: dict[str, Histogram] = {}
+        self.sizer = PromptSizer(sidecar)
         self._urls: dict[tuple[int, str], URL] = {}
+        self.bodies = BodyReader(sidecar.settings, sidecar.metrics, self.retry_after)
 
     def _url(self, upstream: HttpUpstream, path: str) -> URL:
         """The parsed URL of ``path`` on ``upstream`` (parsed once, not per request)."""
@@ -106,40 +124,77 @@ class CompletionProxy:
         """
         return await self.handle(request, "chat", "/v1/chat/completions")
 
+    async def read_body(self, request: web.Request) -> tuple[bytes, int]:
+        """:meth:`BodyReader.read` of this sidecar's budget.
+
+        :param request: the client's request.
+        """
+        return await self.bodies.read(request)
+
+    def release(self, nbytes: int) -> None:
+        """:meth:`BodyReader.release`.
+
+        :param nbytes: the bytes.
+        """
+        self.bodies.release(nbytes)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/responses`` (the Responses API).
+
+        :param request: the client's request.
+        """
+        return await self.handle(request, "responses", "/v1/responses")
+
     async def handle(self, request: web.Request, kind: Kind, path: str) -> web.StreamResponse:
-        """Validate, count, submit, wait for admission, forward; answer the client.
+        """Read within bounds, validate, count, submit, wait for admission, forward; answer
+        the client.
 
         :param request: the client's request.
         :param kind: ``completions`` or ``chat``.
         :param path: the upstream path to forward to.
         """
-        sc = self.sc
-        raw = await request.read()
         try:
-            parsed = parse_request(raw, kind)
+            raw, held = await self.read_body(request)
+        except Refused as refused:
+            return refused.response
+        try:
+            return await self._handle(request, raw, kind, path)
+        finally:
+            self.release(held)
+
+    async def _handle(self, request: web.Request, raw: bytes, kind: Kind,
+                      path: str) -> web.StreamResponse:
+        sc = self.sc
+        try:
+            parsed = parse_request(raw, kind, sc.settings.max_sequences)
         except BadRequest as exc:
             sc.metrics.bad_requests.inc()
-            return json_error(400, exc.message, "invalid_request_error", param=exc.param)
+            if exc.limit is not None:
+                sc.metrics.trip(exc.limit)
+            return json_error(400, exc.message, ERROR_TYPES[400], param=exc.param)
+        del raw  # the parsed request keeps the bytes it forwards
         if not sc.ready:
             return json_error(503, f"sidecar not ready: {sc.not_ready_reason}",
                               "service_unavailable", headers=self.retry_after)
         arrival = sc.now()
-        t0 = time.perf_counter()
-        counter = sc.counter
-        prompt_tokens = await counter.count(parsed.prompt)
-        timer = self._tokenize_timers.get(counter.name)
-        if timer is None:
-            timer = self._tokenize_timers[counter.name] = (
-                sc.metrics.tokenize_seconds.labels(counter.name))
-        timer.observe(time.perf_counter() - t0)
-        max_out = parsed.max_output_tokens(prompt_tokens, sc.max_model_len)
+        limit = sc.max_model_len
+        counted = await self.sizer.count(parsed, limit)
+        if isinstance(counted, web.Response):
+            return counted
+        prompt_tokens = counted
+        if sc.over_length == "vllm":
+            if prompt_tokens >= limit:
+                return self.sizer.too_long(parsed, prompt_tokens, arrival)
+            max_out = parsed.fitted_output_tokens(prompt_tokens, limit)
+        else:
+            max_out = parsed.max_output_tokens(prompt_tokens, limit)
         req = Request(sc.new_request_id(), arrival, prompt_tokens, max_out)
         bucket = sc.buckets.index(prompt_tokens)
         ticket = Ticket(req, bucket, asyncio.get_running_loop().create_future())
         refused = sc.dispatch.submit(ticket)
         if refused is not None:
             sc.metrics.requests[bucket, refused].inc()
-            return self._refusal(refused, ticket)
+            return self._refusal(refused, ticket, parsed)
         try:
             if ticket.state == QUEUED or not ticket.future.done():
                 try:
@@ -162,7 +217,7 @@ class CompletionProxy:
         finally:
             sc.dispatch.abandon(ticket)
 
-    def _refusal(self, outcome: str, ticket: Ticket) -> web.Response:
+    def _refusal(self, outcome: str, ticket: Ticket, parsed: ParsedRequest) -> web.Response:
         sc = self.sc
         name = sc.bucket_names[ticket.bucket]
         req = ticket.request
@@ -171,10 +226,8 @@ class CompletionProxy:
                               f"({sc.settings.max_queue_len} requests)", "rate_limit_exceeded",
                               headers=self.retry_after)
         if outcome == "rejected_too_long":
-            return json_error(400, f"prompt ({req.prompt_tokens} tokens) + max_tokens "
-                              f"({req.max_output_tokens}) exceeds max_model_len "
-                              f"{sc.max_model_len} (over-length policy: reject)",
-                              "invalid_request_error", param="prompt")
+            return over_policy(parsed, req.prompt_tokens, req.max_output_tokens,
+                               sc.max_model_len, sc.over_length)
         pool = sc.dispatch.route(ticket.bucket)
         reasons = "; ".join(u.down_reason for u in sc.dispatch.by_pool[pool])
         return json_error(503, f"no reachable upstream in pool {pool} for bucket {name}: "
@@ -204,63 +257,107 @@ class CompletionProxy:
             try:
                 return await self._attempt(request, parsed, ticket, upstream, path, body,
                                            headers)
-            except _Upstream503 as exc:
-                message = str(exc)
-            if ticket.upstream is upstream and sc.dispatch.retry_target(ticket) is not None:
+            except _UpstreamFailed as exc:
+                failure = exc
+            if (failure.retry and ticket.upstream is upstream
+                    and sc.dispatch.retry_target(ticket) is not None):
                 sc.metrics.retries[upstream.pool].inc()
                 if not ticket.future.done():  # the new replica's engine-wide cap is full
                     await ticket.future
                 continue
-            sc.metrics.requests[ticket.bucket, "upstream_error"].inc()
-            return json_error(503, message, "service_unavailable", headers=self.retry_after)
+            outcome = "upstream_timeout" if failure.status == 504 else "upstream_error"
+            sc.metrics.requests[ticket.bucket, outcome].inc()
+            return json_error(failure.status, failure.message, ERROR_TYPES[failure.status],
+                              headers=self.retry_after)
 
     async def _attempt(self, request: web.Request, parsed: ParsedRequest, ticket: Ticket,
                        upstream: HttpUpstream, path: str, body: bytes,
                        headers: dict[str, str]) -> web.StreamResponse:
-        """One try on one upstream; raises :class:`_Upstream503` when it failed before the
-        client got anything (the caller may retry elsewhere)."""
+        """One try on one upstream; raises :class:`_UpstreamFailed` when it failed before
+        the client got anything (the caller may retry elsewhere when that is safe)."""
         sc = self.sc
+        s = sc.settings
         assert sc.session is not None
-        resp: aiohttp.ClientResponse | None = None
-        for attempt in (0, 1):
-            try:
+        where = f"upstream {upstream.name} ({upstream.url})"
+        dog = ProgressWatchdog(s.first_byte_timeout_s, s.idle_timeout_s)
+        try:
+            async with dog:
                 resp = await sc.session.post(self._url(upstream, path), data=body,
                                              headers=headers)
-                break
-            except aiohttp.ServerDisconnectedError:
-                if attempt == 0:
-                    continue  # a pooled keep-alive connection the server had just closed
-                raise _Upstream503(f"upstream {upstream.name} ({upstream.url}) closed the "
-                                   f"connection without answering") from None
-            except UPSTREAM_FAILURES as exc:
-                reason = (f"upstream {upstream.name} ({upstream.url}) unreachable: "
-                          f"{exc or type(exc).__name__}")
-                if isinstance(exc, CONNECT_ERRORS):
-                    upstream.mark_down(reason)
-                raise _Upstream503(reason) from None
-        assert resp is not None
+                if resp.status == 200 and not parsed.stream:
+                    # vLLM sends the head with the whole answer: its body follows at once
+                    dog.progress()
+                    try:
+                        data = await resp.read()
+                    except BaseException:
+                        resp.close()
+                        raise
+        except UpstreamTimeout as exc:
+            first = exc.phase == "first_byte"
+            sc.metrics.trip("upstream_first_byte" if first else "upstream_idle")
+            option = "--first-byte-timeout-s" if first else "--idle-timeout-s"
+            raise _UpstreamFailed(504, f"{where}: {exc} ({option})", retry=False) from None
+        except aiohttp.ConnectionTimeoutError:
+            sc.metrics.trip("upstream_connect")
+            reason = f"{where}: could not connect within {s.connect_timeout_s:g} s"
+            upstream.mark_down(reason)
+            raise _UpstreamFailed(503, reason, retry=True) from None
+        except CONNECT_ERRORS as exc:
+            reason = f"{where} unreachable: {exc or type(exc).__name__}"
+            upstream.mark_down(reason)
+            raise _UpstreamFailed(503, reason, retry=True) from None
+        except aiohttp.ServerDisconnectedError:
+            raise _UpstreamFailed(502, f"{where} closed the connection without answering "
+                                  f"(not retried: it may have received the request)",
+                                  retry=False) from None
+        except TimeoutError:
+            raise self._total_timeout(where) from None
+        except UPSTREAM_FAILURES as exc:
+            raise _UpstreamFailed(502, f"{where} failed: {exc or type(exc).__name__}",
+                                  retry=False) from None
         try:
             if resp.status >= 500:
                 detail = await resp.read()
-                raise _Upstream503(f"upstream {upstream.name} answered {resp.status}: "
-                                   f"{detail[:300].decode(errors='replace')}")
+                raise _UpstreamFailed(503, f"upstream {upstream.name} answered "
+                                      f"{resp.status}: "
+                                      f"{detail[:300].decode(errors='replace')}", retry=True)
             if resp.status == 200 and parsed.stream:
                 return await self._stream(request, resp, parsed, ticket, upstream)
-            data = await resp.read()
+            if resp.status != 200:
+                async with ProgressWatchdog(s.idle_timeout_s, s.idle_timeout_s):
+                    data = await resp.read()
+        except UpstreamTimeout as exc:
+            resp.close()
+            sc.metrics.trip("upstream_idle")
+            raise _UpstreamFailed(504, f"{where}: {exc} (--idle-timeout-s)",
+                                  retry=False) from None
+        except TimeoutError:
+            resp.close()
+            raise self._total_timeout(where) from None
         except UPSTREAM_FAILURES as exc:
             resp.close()
-            raise _Upstream503(f"upstream {upstream.name} failed: "
-                               f"{exc or type(exc).__name__}") from None
+            raise _UpstreamFailed(502, f"{where} failed: {exc or type(exc).__name__}",
+                                  retry=False) from None
         except BaseException:
             resp.close()  # cancelled (client gone): closing makes vLLM abort the request
             raise
         resp.release()
         if resp.status == 200:
-            self._completed(ticket, upstream, completion_tokens(data), None)
+            if not looks_like_json_object(data):
+                raise _UpstreamFailed(502, f"{where} answered 200 with a body that is not "
+                                      f"valid JSON: {data[:100]!r}", retry=False)
+            self._completed(ticket, upstream, completion_tokens(data, parsed.usage_key), None)
         else:
             sc.metrics.requests[ticket.bucket, "upstream_client_error"].inc()
         return web.Response(status=resp.status, body=data,
                             content_type=resp.content_type or "application/json")
+
+    def _total_timeout(self, where: str) -> _UpstreamFailed:
+        """aiohttp's total time limit (``request_timeout_s``) tripped."""
+        self.sc.metrics.trip("upstream_total")
+        limit = self.sc.settings.request_timeout_s
+        return _UpstreamFailed(504, f"{where}: did not finish within {limit} s "
+                               f"(--request-timeout-s)", retry=False)
 
     async def _stream(self, request: web.Request, resp: aiohttp.ClientResponse,
                       parsed: ParsedRequest, ticket: Ticket,
@@ -269,39 +366,66 @@ class CompletionProxy:
         out = web.StreamResponse(status=200, headers={
             "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
             "Cache-Control": "no-cache"})
-        strip_usage = not parsed.wants_usage
+        stripper = None if parsed.wants_usage else UsageStripper()
+        responses = parsed.kind == "responses"
         first_s: float | None = None
         tokens: int | None = None
         events = 0
         done = errored = False
         pending = b""
+        s = sc.settings
         try:
-            if not await _send(out, None, request):
+            if not await send(out, None, request):
                 return self._client_gone(resp, ticket, out)
-            async for chunk in resp.content.iter_any():
-                if first_s is None:
-                    first_s = sc.now()
-                pending += chunk
-                end = pending.rfind(b"\n\n")
-                if end < 0:
-                    continue
-                complete, pending = pending[:end + 2], pending[end + 2:]
-                events += complete.count(b"data: ")
-                if b'"usage"' in complete:
-                    complete, found = _take_usage(complete, strip_usage)
-                    tokens = found if found is not None else tokens
-                if b"data: [DONE]" in complete:
-                    done = True
-                if b'data: {"error"' in complete:
-                    errored = True
-                if complete and not await _send(out, complete):
-                    return self._client_gone(resp, ticket, out)
-            if pending and not await _send(out, pending):
+            async with ProgressWatchdog(s.first_byte_timeout_s, s.idle_timeout_s) as dog:
+                async for chunk in resp.content.iter_any():
+                    dog.progress()
+                    if first_s is None:
+                        first_s = sc.now()
+                    pending += chunk
+                    end = pending.rfind(b"\n\n")
+                    if end < 0:
+                        continue
+                    complete, pending = pending[:end + 2], pending[end + 2:]
+                    events += complete.count(b"data: ")
+                    if responses:
+                        if parsed.usage_key in complete:
+                            found = completion_tokens(complete, parsed.usage_key)
+                            tokens = found if found is not None else tokens
+                        done = done or any(end in complete for end in RESPONSE_ENDS)
+                        errored = errored or b"event: error" in complete or (
+                            b'"type":"response.failed"' in complete)
+                    elif stripper is not None:
+                        complete = stripper.feed(complete)
+                        tokens = stripper.tokens if stripper.tokens is not None else tokens
+                    elif b'"usage"' in complete:
+                        complete, found = take_usage(complete, False)
+                        tokens = found if found is not None else tokens
+                    if b"data: [DONE]" in complete:
+                        done = True
+                    if b'data: {"error"' in complete:
+                        errored = True
+                    if complete and not await send(out, complete):
+                        return self._client_gone(resp, ticket, out)
+            if stripper is not None:
+                pending = stripper.flush() + pending
+            if pending and not await send(out, pending + b"\n\n"):  # end the partial event
                 return self._client_gone(resp, ticket, out)
+        except UpstreamTimeout as exc:
+            resp.close()
+            sc.metrics.trip("upstream_idle" if exc.phase == "idle" else "upstream_first_byte")
+            await self._stream_error(out, f"upstream {upstream.name} ({upstream.url}) sent "
+                                     f"{exc} mid-stream", ticket, responses)
+            return out
+        except TimeoutError:
+            resp.close()
+            failure = self._total_timeout(f"upstream {upstream.name} ({upstream.url})")
+            await self._stream_error(out, failure.message, ticket, responses)
+            return out
         except UPSTREAM_FAILURES as exc:
             resp.close()
             reason = f"upstream {upstream.name} failed mid-stream: {exc or type(exc).__name__}"
-            await self._stream_error(out, reason, ticket)
+            await self._stream_error(out, reason, ticket, responses)
             return out
         except BaseException:
             resp.close()  # cancelled (client gone): closing makes vLLM abort the request
@@ -309,14 +433,14 @@ class CompletionProxy:
         resp.release()
         if not done:
             await self._stream_error(out, f"upstream {upstream.name} ended the stream "
-                                     f"without [DONE]", ticket)
+                                     f"without its end event", ticket, responses)
             return out
         if errored:
             sc.metrics.requests[ticket.bucket, "upstream_error"].inc()
         else:
             self._completed(ticket, upstream,
                             tokens if tokens is not None else max(events - 1, 0), first_s)
-        await _send(out, b"", eof=True)
+        await send(out, b"", eof=True)
         return out
 
     def _client_gone(self, resp: aiohttp.ClientResponse, ticket: Ticket,
@@ -325,12 +449,18 @@ class CompletionProxy:
         self.sc.metrics.requests[ticket.bucket, "cancelled"].inc()
         return out
 
-    async def _stream_error(self, out: web.StreamResponse, message: str,
-                            ticket: Ticket) -> None:
+    async def _stream_error(self, out: web.StreamResponse, message: str, ticket: Ticket,
+                            responses: bool = False) -> None:
         self.sc.metrics.requests[ticket.bucket, "upstream_error"].inc()
-        if await _send(out, b"data: " + error_body(message, "upstream_error", 503) + b"\n\n"
-                       + b"data: [DONE]\n\n"):
-            await _send(out, b"", eof=True)
+        if responses:  # the Responses API's error event
+            event = b"event: error\ndata: " + json.dumps(
+                {"type": "error", "code": "upstream_error", "message": message,
+                 "param": None}).encode() + b"\n\n"
+        else:
+            event = (b"data: " + error_body(message, "upstream_error", 503) + b"\n\n"
+                     + b"data: [DONE]\n\n")
+        if await send(out, event):
+            await send(out, b"", eof=True)
 
     def _completed(self, ticket: Ticket, upstream: HttpUpstream, tokens: int | None,
                    first_s: float | None) -> None:
@@ -354,44 +484,3 @@ class CompletionProxy:
             arrival_s=req.arrival_s, prompt_tokens=ticket.prompt_tokens,
             output_tokens=out_tokens, ttft_s=ttft, tpot_s=tpot, e2e_s=e2e, finish_s=now,
             truncated=ticket.truncated))
-
-
-async def _send(out: web.StreamResponse, data: bytes | None,
-                request: web.Request | None = None, *, eof: bool = False) -> bool:
-    """Write to the client; ``False`` when it has gone away.
-
-    :param out: the stream response.
-    :param data: bytes to write (``None`` with ``request``: send the headers).
-    :param request: the request, to prepare the response.
-    :param eof: finish the response instead.
-    """
-    try:
-        if request is not None:
-            await out.prepare(request)
-        elif eof:
-            await out.write_eof()
-        elif data:
-            await out.write(data)
-    except ConnectionResetError:
-        return False
-    return True
-
-
-def _take_usage(complete: bytes, strip: bool) -> tuple[bytes, int | None]:
-    """Find the usage-only chunk (``"choices":[]`` + ``usage``) among complete SSE events;
-    drop it when the client did not ask for it.
-
-    :param complete: whole events (ending in a blank line).
-    :param strip: remove the usage chunk.
-    """
-    kept: list[bytes] = []
-    tokens: int | None = None
-    for event in complete.split(b"\n\n"):
-        if not event:
-            continue
-        if b'"usage"' in event and b'"choices":[]' in event:
-            tokens = completion_tokens(event)
-            if strip:
-                continue
-        kept.append(event + b"\n\n")
-    return b"".join(kept), tokens

@@ -50,6 +50,9 @@ from rlbatch.sidecar.upstream import HttpUpstream, Ticket
 
 _LOG = logging.getLogger("rlbatch.sidecar")
 
+DEFAULT_MAX_CHARS_PER_TOKEN = 64
+"""Characters one token may span when no local tokenizer tells (``max_chars_per_token``)."""
+
 
 class Sidecar:
     """State of one sidecar: upstreams, admission, controller, metrics.
@@ -75,11 +78,15 @@ class Sidecar:
                                        settings.max_num_seqs)
                           for i, spec in enumerate(settings.upstreams)]
         guard = guard_config(controller)
-        self.over_length = settings.over_length or guard.over_length
+        # vLLM's own rule unless the operator chose the sidecar's: the default must not change
+        # what the model sees where vLLM would not.
+        self.over_length: str = settings.over_length or "vllm"
         self._max_model_len = settings.max_model_len or guard.max_seq_len
         engines: list[Engine] = [*self.upstreams]
+        admission_policy = "reject" if self.over_length == "vllm" else self.over_length
         admission = Admission(engines, self.buckets, self._max_model_len or NO_LIMIT,
-                              AdmissionConfig(self.over_length, settings.max_queue_len))
+                              AdmissionConfig(admission_policy,
+                                              settings.max_queue_len))
         self.dispatch = Dispatcher(self.upstreams, self.pools, admission, self.tickets)
         self.admission = admission
         self.metrics = SidecarMetrics(self.bucket_names, self.pools,
@@ -92,6 +99,7 @@ class Sidecar:
         self.ready = False
         self.not_ready_reason = "waiting for the upstreams"
         self.counter: PromptCounter = ApproxCounter(settings.approx_bytes_per_token)
+        self.max_chars_per_token = settings.max_chars_per_token or DEFAULT_MAX_CHARS_PER_TOKEN
         self.session: aiohttp.ClientSession | None = None
         self.writer = DecisionWriter(settings.logdir) if settings.logdir else None
         self._task: asyncio.Task[None] | None = None
@@ -148,9 +156,12 @@ class Sidecar:
         s = self.settings
         # Idle connections are dropped before uvicorn's (vLLM's) 5 s keep-alive ends them.
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=4.0)
+        # Connect and total limits here; the first-byte and idle limits are the proxy's
+        # watchdogs (a total limit would cut healthy long streams, so it is off by default).
         self.session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False,
             timeout=aiohttp.ClientTimeout(total=s.request_timeout_s,
+                                          connect=s.connect_timeout_s,
                                           sock_connect=s.connect_timeout_s))
         if self.writer is not None:
             await asyncio.to_thread(self.writer.open, self._settings_text())
@@ -186,6 +197,7 @@ class Sidecar:
     def _settings_text(self) -> str:
         fields = asdict(self.settings)
         fields["admin_token"] = "***" if self.settings.admin_token else None
+        fields["max_chars_per_token"] = self.max_chars_per_token
         fields["controller"] = self.control.controller.name
         return "```\n" + json.dumps(fields, indent=2, default=str) + "\n```"
 
@@ -249,16 +261,22 @@ class Sidecar:
         mode = s.tokenizer
         if mode == "approx":
             return approx
+        upstream = UpstreamCounter(self.post_any, approx, s.tokenize_timeout_s,
+                                   self.metrics.trip)
         if mode == "upstream":
-            return UpstreamCounter(self.post_any, approx)
+            return upstream
+        path = Path(mode)
         if mode == "auto":
             roots = [u.model_root for u in self.upstreams if u.model_root]
             local = next((Path(r) for r in roots if (Path(r) / "tokenizer.json").is_file()),
                          None)
             if local is None:
-                return UpstreamCounter(self.post_any, approx)
-            return await asyncio.to_thread(LocalCounter.load, local, s.tokenizer_thread_chars)
-        return await asyncio.to_thread(LocalCounter.load, Path(mode), s.tokenizer_thread_chars)
+                return upstream
+            path = local
+        counter = await asyncio.to_thread(LocalCounter.load, path, s.tokenizer_thread_chars)
+        if s.max_chars_per_token is None:
+            self.max_chars_per_token = counter.max_chars_per_token
+        return counter
 
     async def post_any(self, path: str, body: bytes) -> tuple[int, bytes]:
         """POST to a reachable upstream (any pool: they serve the same model).
@@ -280,7 +298,7 @@ class Sidecar:
             in_force=c.in_force, decided=c.decided, bucket_names=self.bucket_names,
             pools=self.pools, upstreams=tuple((u.name, u.pool, u.healthy)
                                               for u in self.upstreams),
-            shadow=self.settings.shadow, controller=c.controller.name)
+            shadow=self.settings.shadow, controller=c.controller.name, sla=self.settings.sla)
 
     def state(self) -> dict[str, Any]:
         """What ``/admin/state`` shows."""
@@ -298,7 +316,7 @@ class Sidecar:
             "last_decision_s": None if math.isnan(c.last_decision_s)
             else c.last_decision_s,
             "tokenizer": self.counter.name, "max_model_len": self.max_model_len,
-            "over_length": self.over_length,
+            "over_length": self.over_length, "max_chars_per_token": self.max_chars_per_token,
             "in_force": action_dict(c.in_force), "decided": action_dict(c.decided),
             "queued": dict(zip(self.bucket_names, self.admission.queued(), strict=True)),
             "upstreams": [{"name": u.name, "pool": u.pool, "url": u.url, "healthy": u.healthy,

@@ -18,7 +18,7 @@ from rlbatch.control.types import SLA
 POOL_ORDER: tuple[str, ...] = ("fp16", "fp8")
 """Known pools in their canonical order (the order a policy artifact lists them in)."""
 
-OverLength = Literal["truncate", "reject"]
+OverLength = Literal["vllm", "truncate", "reject"]
 TOKENIZER_MODES: tuple[str, ...] = ("auto", "upstream", "approx")
 
 
@@ -64,6 +64,8 @@ class SidecarSettings:
     :param upstreams: the vLLM servers, one or more per pool.
     :param host: address to bind (loopback unless told otherwise).
     :param port: port to bind.
+    :param metrics_port: a second port for ``/metrics`` and ``/admin/*`` (and ``/health``,
+        ``/ready``); ``None``: they are served on ``port``.
     :param buckets: prompt-length buckets (must match a policy artifact's).
     :param tick_s: control interval: scrape, decide, apply.
     :param window_s: sliding window of the latency percentiles the controller sees.
@@ -82,9 +84,11 @@ class SidecarSettings:
         so the event loop is never blocked for long.
     :param max_model_len: longest prompt + output admitted; ``None`` = the upstreams'
         ``max_model_len`` (or the controller guard's ``max_seq_len`` when it sets one).
-    :param over_length: ``truncate`` (keep the prompt's last tokens, vLLM
-        ``truncate_prompt_tokens``) or ``reject`` (400); ``None`` = the controller guard's
-        choice (``GuardConfig.over_length``).
+    :param over_length: prompt + output over ``max_model_len``: ``vllm`` (vLLM's own rule:
+        the output is shortened to fit, a prompt alone too long is refused with vLLM's 400;
+        the body goes upstream untouched), ``truncate`` (keep the prompt's last tokens, vLLM
+        ``truncate_prompt_tokens``, and the output asked for) or ``reject`` (400 whenever the
+        sum does not fit); ``None`` = ``vllm``.
     :param shadow: decide and log every tick but never act: no caps, every request to
         ``shadow_pool``.
     :param shadow_pool: pool every request goes to in shadow mode (default: the first pool).
@@ -96,16 +100,46 @@ class SidecarSettings:
     :param model: model profile name reported to the controller (information only).
     :param scrape_timeout_s: time limit of one ``/metrics`` scrape.
     :param connect_timeout_s: time limit to connect to an upstream.
-    :param request_timeout_s: time limit of one upstream request (``None``: none).
-    :param max_body_bytes: largest request body accepted.
-    :param admin_token: bearer token for ``/admin/*``; without one the admin endpoints answer
-        only when the sidecar binds a loopback address.
+    :param first_byte_timeout_s: longest wait, after a request was sent upstream, for the
+        first byte of its answer's body (a stream's first chunk; a non-streamed answer, which
+        vLLM sends when generation is done); answered 504 when it trips.
+    :param idle_timeout_s: longest gap between two chunks of an upstream stream (and while
+        reading an answer's body); a stream that stalls longer ends with an error event.
+    :param request_timeout_s: a hard total limit of one upstream request (``None``: none;
+        prefer the two above, which never cut a healthy long stream).
+    :param max_body_bytes: largest request body accepted (413 above it).
+    :param max_held_bytes: budget of request-body bytes held by the requests inside the
+        sidecar (from reading the body to the answer's end); a request that would pass it is
+        answered 429 with ``Retry-After`` before its body is read.
+    :param header_timeout_s: a client connection must deliver a complete request head within
+        this long of its first byte (slow-header connections are closed).
+    :param body_timeout_s: longest time to receive a request's body (408 when it trips).
+    :param keepalive_timeout_s: idle time after which a client keep-alive connection (or one
+        that never sent a request) is closed.
+    :param max_connections: most client connections held at once; a new one beyond it
+        closes the longest-idle connection (no request in progress), or is closed itself when
+        every connection is busy. ``None``: the process' file-descriptor limit minus the
+        upstream connections and a reserve.
+    :param tokenize_timeout_s: time limit of one upstream ``/tokenize`` call; when it trips
+        (or the call fails) the prompt is counted approximately (logged and counted).
+    :param max_chars_per_token: the most characters one token of the model's vocabulary
+        spans (an upper bound); a prompt with more than ``max_model_len`` times this many
+        characters is over-length without tokenising it (vLLM's own check), and counting
+        stops reading a prompt there. ``None``: the local tokenizer's longest token, or 64.
+    :param max_sequences: most sequences one request may ask for (``n`` (or ``best_of``)
+        times the number of prompts); each request counts as one slot of its bucket's cap.
+    :param admin_token: bearer token for ``/admin/*``; without one the admin endpoints are
+        off (403), on any bind.
+    :param policy_dirs: folders ``POST /admin/controller`` may load ``ppo:PATH`` policies from
+        (the resolved path must lie under one); empty: policy switches by path are off.
+    :param max_policy_bytes: largest policy file read (``policy.json``, ``policy.safetensors``).
     :param gpu_telemetry: read GPU memory with NVML when the sidecar sees the GPU.
     """
 
     upstreams: tuple[UpstreamSpec, ...]
     host: str = "127.0.0.1"
     port: int = 8080
+    metrics_port: int | None = None
     buckets: Buckets = field(default_factory=Buckets)
     tick_s: float = 1.0
     window_s: float = 30.0
@@ -128,9 +162,21 @@ class SidecarSettings:
     model: str = "unknown"
     scrape_timeout_s: float = 2.0
     connect_timeout_s: float = 5.0
+    first_byte_timeout_s: float = 600.0
+    idle_timeout_s: float = 60.0
     request_timeout_s: float | None = None
     max_body_bytes: int = 16 * 2**20
+    max_held_bytes: int = 64 * 2**20
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    keepalive_timeout_s: float = 5.0
+    max_connections: int | None = None
+    tokenize_timeout_s: float = 5.0
+    max_chars_per_token: int | None = None
+    max_sequences: int = 16
     admin_token: str | None = None
+    policy_dirs: tuple[Path, ...] = ()
+    max_policy_bytes: int = 64 * 2**20
     gpu_telemetry: bool = True
 
     def __post_init__(self) -> None:
@@ -142,10 +188,16 @@ class SidecarSettings:
             raise ValueError(f"upstream URLs must be distinct, repeated: {dupes}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.metrics_port is not None and (
+                not 0 < self.metrics_port < 65536 or self.metrics_port == self.port):
+            raise ValueError(f"metrics_port must be in 1..65535 and differ from port "
+                             f"{self.port}, got {self.metrics_port}")
         if not self.host:
             raise ValueError("host must not be empty")
         for name in ("tick_s", "window_s", "queue_timeout_s", "approx_bytes_per_token",
-                     "scrape_timeout_s", "connect_timeout_s"):
+                     "scrape_timeout_s", "connect_timeout_s", "first_byte_timeout_s",
+                     "idle_timeout_s", "header_timeout_s", "body_timeout_s",
+                     "keepalive_timeout_s", "tokenize_timeout_s"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
@@ -153,16 +205,32 @@ class SidecarSettings:
             raise ValueError(f"request_timeout_s must be > 0 or None, got "
                              f"{self.request_timeout_s}")
         for name in ("max_queue_len", "max_num_seqs", "max_num_batched_tokens",
-                     "tokenizer_thread_chars", "max_body_bytes"):
+                     "tokenizer_thread_chars", "max_body_bytes", "max_held_bytes",
+                     "max_sequences", "max_policy_bytes"):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.max_held_bytes < self.max_body_bytes:
+            raise ValueError(f"max_held_bytes ({self.max_held_bytes}) must be >= "
+                             f"max_body_bytes ({self.max_body_bytes}): else a request at the "
+                             f"body cap could never be admitted")
+        for name in ("max_connections", "max_chars_per_token"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 or None, got {value}")
+        if self.admin_token is not None and len(self.admin_token) < 16:
+            raise ValueError(f"admin_token must be at least 16 characters, got "
+                             f"{len(self.admin_token)}")
+        object.__setattr__(self, "policy_dirs", tuple(Path(p) for p in self.policy_dirs))
+        for folder in self.policy_dirs:
+            if not folder.is_absolute():
+                raise ValueError(f"policy_dirs must be absolute paths, got {str(folder)!r}")
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 or None, got {self.max_model_len}")
-        if self.over_length not in (None, "truncate", "reject"):
-            raise ValueError(f"over_length must be 'truncate' or 'reject', got "
+        if self.over_length not in (None, "vllm", "truncate", "reject"):
+            raise ValueError(f"over_length must be 'vllm', 'truncate' or 'reject', got "
                              f"{self.over_length!r}")
         if self.tokenizer not in TOKENIZER_MODES and not Path(self.tokenizer).exists():
             raise ValueError(f"tokenizer must be one of {TOKENIZER_MODES} or an existing "

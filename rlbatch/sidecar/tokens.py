@@ -8,7 +8,9 @@ Three counters, chosen with ``--tokenizer`` (their cost is measured by
   instead of rendering the chat template). Long prompts are encoded in a worker thread
   (``tokenizers`` releases the GIL) so the event loop is never blocked for milliseconds.
 * ``upstream``: the upstream's ``/tokenize`` (exact, chat template included; one extra
-  round trip per request).
+  round trip per request), bounded by a time limit; when it trips or the call fails the
+  prompt is counted by ``approx`` instead, logged once per failure run and counted
+  (``rlbatch:limit_trips_total{limit="tokenize_timeout"|"tokenize_error"}``).
 * ``approx``: UTF-8 bytes / ``bytes_per_token`` (free, rough).
 
 Token-id prompts (``prompt: [ids]``) are never tokenised: their length is known.
@@ -103,6 +105,9 @@ class LocalCounter:
     def __init__(self, tokenizer: Any, thread_chars: int = 2048) -> None:
         self._tok = tokenizer
         self.thread_chars = thread_chars
+        vocab = tokenizer.get_vocab()
+        #: characters of the vocabulary's longest token (vLLM's ``max_chars_per_token``).
+        self.max_chars_per_token = max((len(t) for t in vocab), default=1)
 
     @classmethod
     def load(cls, path: Path, thread_chars: int = 2048) -> LocalCounter:
@@ -142,17 +147,24 @@ PostJson = Callable[[str, bytes], Awaitable[tuple[int, bytes]]]
 
 class UpstreamCounter:
     """The upstream's ``/tokenize`` (vLLM applies the chat template for messages). When the
-    call fails the count falls back to :class:`ApproxCounter`, logged once per failure run.
+    call takes longer than ``timeout_s`` or fails, the count falls back to
+    :class:`ApproxCounter`: logged once per failure run, and every fallback reported to
+    ``on_fallback`` (``tokenize_timeout`` or ``tokenize_error``).
 
     :param post: sends a POST to a reachable upstream.
     :param fallback: the counter used when the upstream cannot answer.
+    :param timeout_s: time limit of one call.
+    :param on_fallback: told the reason of each fallback.
     """
 
     name = "upstream"
 
-    def __init__(self, post: PostJson, fallback: ApproxCounter) -> None:
+    def __init__(self, post: PostJson, fallback: ApproxCounter, timeout_s: float = 5.0,
+                 on_fallback: Callable[[str], None] | None = None) -> None:
         self._post = post
         self._fallback = fallback
+        self.timeout_s = timeout_s
+        self._on_fallback = on_fallback
         self._failing = False
         self.failures = 0
 
@@ -167,15 +179,21 @@ class UpstreamCounter:
         else:
             body["prompt"] = prompt.text
         try:
-            status, data = await self._post("/tokenize", json.dumps(body).encode())
+            async with asyncio.timeout(self.timeout_s):
+                status, data = await self._post("/tokenize", json.dumps(body).encode())
             if status != 200:
                 raise ValueError(f"/tokenize answered {status}: {data[:200]!r}")
             count = int(json.loads(data)["count"])
         except Exception as exc:  # any failure: the approximate count still buckets it
+            timed_out = isinstance(exc, TimeoutError)
             self.failures += 1
+            if self._on_fallback is not None:
+                self._on_fallback("tokenize_timeout" if timed_out else "tokenize_error")
             if not self._failing:
+                reason = (f"no answer within {self.timeout_s:g} s" if timed_out
+                          else str(exc) or type(exc).__name__)
                 _LOG.warning("upstream /tokenize failed (%s); counting prompt tokens "
-                             "approximately until it answers again", exc)
+                             "approximately until it answers again", reason)
             self._failing = True
             return self._fallback.count_now(prompt)
         self._failing = False
