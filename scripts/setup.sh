@@ -35,6 +35,11 @@ fi
 # skip, saying why, where it cannot be installed.
 if ! command -v promtool >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
         && [ "$(id -u)" = 0 ]; then
-    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus \
-        >/dev/null 2>&1 || echo "setup: could not install prometheus (its tests will skip)"
+    # A fresh machine may have no package lists yet: update once if the first try fails.
+    { DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus \
+          >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null 2>&1 \
+           && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+                  prometheus >/dev/null 2>&1; }; } \
+        || echo "setup: could not install prometheus (its tests will skip)"
 fi
