@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import signal
+import subprocess
 
 from hypothesis import strategies as st
 
@@ -131,3 +133,13 @@ def random_deployment_stats(draw: st.DrawFn) -> DeploymentStats:
         caps=tuple(draw(st.one_of(st.none(), st.integers(1, 64))) for _ in range(3)),
         pools=tuple(draw(st.sampled_from(pools)) for _ in range(3)),
         oldest_wait_s=tuple(draw(odd_floats) for _ in range(3)))
+
+
+def stop_child(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM a child server (the graceful path under test), then kill it if it hangs."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ import pytest
 
 from rlbatch.engine.vllm import VllmEngineConfig
 from rlbatch.sidecar.vllm_server import ApiServer, ApiServerSpec, free_port
+from tests.factories import stop_child
 
 pytestmark = pytest.mark.live
 
@@ -85,11 +85,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
                    Path(model_path(ENGINE)))
     finally:
         if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_child(proc)
         log.close()
         server.stop()
 

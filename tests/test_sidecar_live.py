@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ import pytest
 
 from rlbatch.engine.vllm import VllmEngineConfig
 from rlbatch.sidecar.vllm_server import ApiServer, ApiServerSpec, free_port
+from tests.factories import stop_child
 from tests.test_sidecar import fixed_policy
 
 pytestmark = pytest.mark.live
@@ -99,12 +99,7 @@ def sidecar(servers: Servers, tmp_path: Path, *args: str,
                                  + (tmp_path / f"sidecar-{port}.log").read_text())
         yield url, proc.pid
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        stop_child(proc)
         log.close()
 
 

@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ import pytest
 
 from rlbatch.engine.vllm import VllmEngineConfig
 from rlbatch.sidecar.vllm_server import ApiServer, ApiServerSpec, free_port
+from tests.factories import stop_child
 
 REPO = Path(__file__).resolve().parents[1]
 RULES = REPO / "deploy" / "prometheus" / "rlbatch-alerts.yaml"
@@ -110,12 +110,7 @@ def child(cmd: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
         try:
             yield proc
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+            stop_child(proc)
 
 
 def post(url: str, body: dict[str, Any]) -> int:
