@@ -23,8 +23,7 @@ def kv_tokens_at_limit(request: Request, prompt_tokens: int, max_model_len: int,
     :param max_model_len: the engine's context.
     :param block_size: tokens per KV block.
     """
-    tokens = min(prompt_tokens + request.output_limit,
-                 max(max_model_len, prompt_tokens + request.max_output_tokens))
+    tokens = min(prompt_tokens + request.output_limit, max_model_len)
     return -(-tokens // block_size) * block_size
 
 
