@@ -74,7 +74,7 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     | 8b+6 | TPOT P99 of bucket b over the last 30 s | / SLA TPOT (0: no completions) |
     | 8b+7 | wait of bucket b's oldest queued request | / SLA TTFT |
     | 8B+0 | KV cache usage (max over engines) | fraction |
-    | 8B+1 | committed KV (prompt + max output admitted) | fraction of the KV pool |
+    | 8B+1 | committed KV (prompt + expected output admitted) | fraction of the KV pool |
     | 8B+2 | GPU memory used | fraction (simulator: vLLM's pre-allocation) |
     | 8B+3 | preemptions | log1p(per s) |
     | 8B+4 | output throughput | log1p(tokens/s) / log1p(10000) |

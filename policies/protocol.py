@@ -205,7 +205,7 @@ def evaluate_protocol(candidates: Sequence[str], spec: DeploymentSpec, *, n_jobs
     """Run the training runs (for the user's pick) and the unseen runs; return the unseen
     rows, the user's pick and the Markdown report.
 
-    :param max_tokens: the clients' declared output limit (``None``: the real output).
+    :param max_tokens: the clients' declared output limit (``None``: none declared).
     """
     train_sets, unseen_sets = training_runs(), unseen_runs()
     train_jobs = protocol_jobs([], spec, train_sets, max_tokens=max_tokens)
@@ -230,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=2, help="runs in parallel (processes)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--max-tokens", type=int, default=None, metavar="N",
-                   help="clients declare max_tokens=N (or the real output, if longer): what "
-                        "the guard's KV budget reserves; default: exactly the real output")
+                   help="clients declare max_tokens=N (or the real output, if longer): the "
+                        "ceiling of the guard's KV count (--kv-reserve); default: none declared")
     add_deployment_options(p)
     # Mooncake prompts exceed a 4k context: the protocol truncates them (and counts them).
     p.set_defaults(over_length="truncate")

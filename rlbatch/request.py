@@ -16,9 +16,10 @@ class Request:
     :param prefix_ids: Mooncake-style ids of 512-token prompt blocks (equal id at the same
         position = shared prefix); ``None`` when the source has none.
     :param max_tokens: the output limit the client declared (OpenAI ``max_tokens``), at
-        least ``max_output_tokens``; ``None``: it declared exactly what it generates (traces
-        carry only the real output length). What the KV budget commits; the engine still
-        generates ``max_output_tokens``.
+        least ``max_output_tokens``; ``None``: it declared none (traces carry only the real
+        output length), so vLLM lets it run to the end of the context. What the KV budget's
+        ``declared`` count uses and what caps the ``observed`` one
+        (:mod:`rlbatch.engine.reserve`); the engine still generates ``max_output_tokens``.
     """
 
     request_id: int
@@ -41,8 +42,3 @@ class Request:
         if not self.arrival_s >= 0.0:  # also rejects NaN
             raise ValueError(f"request {self.request_id}: arrival_s must be >= 0, "
                              f"got {self.arrival_s}")
-
-    @property
-    def output_limit(self) -> int:
-        """The declared output limit: ``max_tokens``, or the real output when undeclared."""
-        return self.max_output_tokens if self.max_tokens is None else self.max_tokens

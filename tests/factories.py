@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from rlbatch.buckets import Buckets
 from rlbatch.control.types import ControlAction, DeploymentStats, WindowStats
 from rlbatch.engine.config import EngineConfig
+from rlbatch.engine.reserve import KvReserveMode
 from rlbatch.engine.sim import SimEngine
 from rlbatch.engine.stats import EngineStats, FinishedRequest
 from rlbatch.profiles import StepTimeModel
@@ -35,9 +36,11 @@ class ConstantStep(StepTimeModel):
 
 def sim_engine(engine_id: int = 0, pool: str = "fp16", *, blocks: int = 64,
                max_num_seqs: int = 8, max_model_len: int = 512,
-               num_buckets: int = len(BUCKETS)) -> SimEngine:
+               num_buckets: int = len(BUCKETS),
+               kv_reserve: KvReserveMode = "observed") -> SimEngine:
     """A small simulated engine (16-token blocks, constant 10 ms steps)."""
-    cfg = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256)
+    cfg = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
+                       kv_reserve=kv_reserve)
     return SimEngine(engine_id, pool, cfg, ConstantStep(), num_kv_blocks=blocks,
                      max_model_len=max_model_len, gpu_memory_total_bytes=1 << 30,
                      num_buckets=num_buckets)

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlbatch.control.types import ControlAction
-from rlbatch.engine.base import Engine, kv_tokens_at_limit
+from rlbatch.engine.base import Engine
 from rlbatch.engine.sim import SimEngine
 from rlbatch.request import Request
 from rlbatch.serving.admission import (
@@ -199,7 +199,7 @@ def test_admission_never_exceeds_a_cap_and_never_loses_a_request(
 def test_kv_budget_counts_whole_blocks_so_the_admitted_set_never_preempts() -> None:
     # 4 x (65 + 200) = 1,060 tokens fit 67 blocks (1,072 tokens) as a token sum, but each
     # request ends on 17 blocks (272 tokens): only 3 fit, and the 4th waits for one to finish.
-    engine = sim_engine(0, "fp16", blocks=67)
+    engine = sim_engine(0, "fp16", blocks=67, kv_reserve="oracle")
     adm = Admission([engine], BUCKETS, MAX_LEN, AdmissionConfig())
     adm.apply(ControlAction((8,) * 3, ("fp16",) * 3, None, 1.0))  # capped: queued, budgeted
     for i in range(4):
@@ -219,13 +219,15 @@ def test_kv_budget_counts_whole_blocks_so_the_admitted_set_never_preempts() -> N
 def test_kv_budget_reserves_the_declared_max_tokens_cut_to_the_context() -> None:
     # max_tokens=400 declared: 65 + 400 = 465 -> 30 blocks each, so 2 fit in 67 blocks
     # (each still generates 200); max_tokens past the context commits the context (512).
-    engine = sim_engine(0, "fp16", blocks=67)
+    engine = sim_engine(0, "fp16", blocks=67, kv_reserve="declared")
     adm = Admission([engine], BUCKETS, MAX_LEN, AdmissionConfig())
     adm.apply(ControlAction((8,) * 3, ("fp16",) * 3, None, 1.0))
     for i in range(3):
         adm.submit(Request(i, 0.0, 65, 200, max_tokens=400))
     adm.admit(engine)
     assert engine.num_unfinished_total() == 2 and engine.committed_tokens() == 2 * 480
-    assert kv_tokens_at_limit(Request(9, 0.0, 65, 200, max_tokens=10_000), 65, MAX_LEN,
-                              16) == 512
-    assert kv_tokens_at_limit(Request(9, 0.0, 65, 200), 65, MAX_LEN, 16) == 272
+    assert engine.kv_tokens_to_admit(Request(9, 0.0, 65, 200, max_tokens=10_000), 0,
+                                     65) == 512
+    # no max_tokens declared: vLLM lets it run to the end of the context
+    assert engine.kv_tokens_to_admit(Request(9, 0.0, 65, 200), 0, 65) == 512
+    assert engine.kv_tokens_to_admit(Request(9, 0.0, 65, 100, max_tokens=200), 0, 65) == 272

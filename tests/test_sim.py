@@ -119,7 +119,9 @@ def _records_by_id(result_records: list[FinishedRequest]) -> dict[int, tuple[obj
     return {r.request_id: r.comparable() for r in result_records}
 
 
-@pytest.mark.parametrize("controller", ["static:8", "static:32", "vllm-default"])
+# fixed:64 runs behind the guard, so its KV budget reads the observed-output counts that
+# grow as requests run: skipping must keep them exact too.
+@pytest.mark.parametrize("controller", ["static:8", "static:32", "vllm-default", "fixed:64"])
 @pytest.mark.parametrize("workload_kind", ["azure", "overflow"])
 def test_event_skipping_equals_stepping(controller: str, workload_kind: str,
                                         azure_trace: Path) -> None:
@@ -137,7 +139,7 @@ def test_event_skipping_equals_stepping(controller: str, workload_kind: str,
         assert rec == b[rid], f"request {rid} differs"
     for key in ("preemptions", "kv_overflows", "prefill_tokens", "decode_tokens"):
         assert on.row[key] == off.row[key], key
-    if workload_kind == "overflow" and controller != "static:8":
+    if workload_kind == "overflow" and controller in ("static:32", "vllm-default"):
         assert on.row["preemptions"] > 0  # the comparison covered preemption
 
 

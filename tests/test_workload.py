@@ -305,7 +305,7 @@ def test_declared_max_tokens_changes_only_the_declared_limit(azure: Workload) ->
     declared = declare_max_tokens(azure, 512)
     assert [r.max_output_tokens for r in declared.requests] == [
         r.max_output_tokens for r in azure.requests]
-    assert [r.output_limit for r in declared.requests] == [
+    assert [r.max_tokens for r in declared.requests] == [
         max(512, r.max_output_tokens) for r in azure.requests]
     assert declared.transforms[-1] == "clients declare max_tokens=512"
     with pytest.raises(ValueError, match="below"):

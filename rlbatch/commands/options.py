@@ -20,6 +20,7 @@ from rlbatch.buckets import Buckets
 from rlbatch.commands.argtypes import checked, parse_window
 from rlbatch.control.types import SLA
 from rlbatch.engine.config import parse_pools
+from rlbatch.engine.reserve import KV_RESERVE_MODES
 from rlbatch.engine.vllm.config import TINY_MODEL, VllmEngineConfig
 from rlbatch.serving.admission import AdmissionConfig
 from rlbatch.serving.deployment import DeploymentSpec
@@ -129,6 +130,14 @@ def add_deployment_options(parser: argparse.ArgumentParser) -> None:
                    help="runs start right after an engine start: the guard's warm-up ramp "
                         "applies (simulated engines are otherwise warm from t=0)")
     s.add_argument("--tick-s", type=float, default=1.0, help="control interval (engine s)")
+    s.add_argument("--kv-reserve", choices=KV_RESERVE_MODES, default="observed",
+                   help="how the guard's KV budget counts a request: observed (a high "
+                        "quantile of its bucket's recent outputs, grown while it runs; the "
+                        "default), declared (its max_tokens, or the rest of the context when "
+                        "it sends none) or oracle (its real output length: an upper bound "
+                        "only a trace replay can know)")
+    s.add_argument("--kv-reserve-quantile", type=float, default=0.9,
+                   help="output quantile the observed reserve takes (default 0.9)")
     add_sla_options(s)
     s.add_argument("--drain-s", type=float, default=600.0,
                    help="how long after the last arrival a run may go on; what is left "
@@ -149,7 +158,8 @@ def deployment_spec_from_args(args: argparse.Namespace) -> DeploymentSpec:
                                   max_queue_len=args.max_queue_len),
         event_skipping=not args.no_event_skipping,
         sla=sla_from_args(args), tick_s=args.tick_s,
-        cold_start=args.cold_start, engine=args.engine, profile=args.profile)
+        cold_start=args.cold_start, engine=args.engine, profile=args.profile,
+        kv_reserve=args.kv_reserve, kv_reserve_quantile=args.kv_reserve_quantile)
 
 
 def add_workload_options(parser: argparse.ArgumentParser) -> None:
@@ -164,9 +174,9 @@ def add_workload_options(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--max-requests", type=int, default=None, help="first N requests only")
     w.add_argument("--seed", type=int, default=0, help="seed for generators and jitter")
     w.add_argument("--max-tokens", type=int, default=None, metavar="N",
-                   help="clients declare max_tokens=N (or the real output, if longer): what "
-                        "the guard's KV budget reserves; default: exactly the real output "
-                        "(traces carry only that)")
+                   help="clients declare max_tokens=N (or the real output, if longer): the "
+                        "ceiling of the guard's KV count (--kv-reserve); default: none "
+                        "declared (traces carry only the real output)")
 
 
 # live engine

@@ -102,6 +102,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     adm = parser.add_argument_group("admission")
     adm.add_argument("--max-queue-len", type=int, default=d.max_queue_len,
                      help="per-bucket queue bound (a full queue answers 429)")
+    adm.add_argument("--kv-reserve", choices=("observed", "declared"), default=d.kv_reserve,
+                     help="how the KV budget counts a request: observed (prompt + a high "
+                          "quantile of its bucket's recent completions, at most its "
+                          "max_tokens) or declared (prompt + max_tokens)")
+    adm.add_argument("--kv-reserve-quantile", type=float, default=d.kv_reserve_quantile,
+                     help="output quantile the observed count takes")
     adm.add_argument("--queue-timeout-s", type=float, default=d.queue_timeout_s,
                      help="longest wait in a queue before 429")
     adm.add_argument("--retry-after-s", type=int, default=d.retry_after_s,
@@ -144,7 +150,9 @@ def settings_from_args(args: argparse.Namespace) -> SidecarSettings:
         tick_s=args.tick_s, window_s=args.window_s, sla=sla_from_args(args),
         max_queue_len=args.max_queue_len, queue_timeout_s=args.queue_timeout_s,
         retry_after_s=args.retry_after_s, tokenizer=args.tokenizer,
-        max_model_len=args.max_model_len, over_length=args.over_length, shadow=args.shadow,
+        max_model_len=args.max_model_len, over_length=args.over_length,
+        kv_reserve=args.kv_reserve, kv_reserve_quantile=args.kv_reserve_quantile,
+        shadow=args.shadow,
         shadow_pool=args.shadow_pool, logdir=args.logdir, cold_start=args.cold_start,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu=args.gpu, model=args.model, scrape_timeout_s=args.scrape_timeout_s,

@@ -50,14 +50,17 @@ Rules, applied in this order to the proposed caps (each only ever lowers a cap):
     batch efficiency (useful / computed tokens: preemption recompute is waste) below
     ``efficiency_threshold`` (70%) shrinks caps (and the total) by ``efficiency_factor``.
 ``kv_budget``
-    admission keeps the committed KV (prompt + max output of every admitted request, each
-    rounded up to whole blocks) within ``kv_budget_fraction`` of the KV pool (default the
-    whole pool). The guide's ">= 20% headroom for context growth" is reserved per request
-    here, exactly: every admitted request already owns the room for its full output, so no
-    admitted set can outgrow the pool and nothing is preempted. A flat 80% on top of that
-    (the old default) reserved the growth twice and cost up to 40% goodput at the knee
-    (BENCHMARKS.md, issue 14). The budget trusts each request's declared output limit
-    (``max_tokens``); ``kv_high`` still watches the usage itself.
+    admission keeps the committed KV (each admitted request counted at prompt + the output
+    it is expected to reach, whole blocks; see :mod:`rlbatch.engine.reserve`) within
+    ``kv_budget_fraction`` of the KV pool (default the whole pool). The guide's ">= 20%
+    headroom for context growth" is reserved per request here: a request is counted at a
+    high quantile of its bucket's recent outputs, and at twice what it has generated once
+    it runs longer, so the admitted set rarely outgrows the pool. A flat 80% on top of that
+    reserved the growth twice and cost up to 40% goodput at the knee (BENCHMARKS.md, issue
+    14). The engines can count the declared ``max_tokens`` instead (``declared``: exact, but
+    clients that send none or a generous one starve the pool) or, in a trace replay, the
+    real output (``oracle``, a bound for comparisons); ``kv_high`` still watches the usage
+    itself.
 
 ``max_seq_len`` truncation / rejection is enforced at admission (``GuardConfig.max_seq_len``
 and ``over_length`` feed the deployment's ``max_model_len``); truncated and rejected requests

@@ -163,7 +163,7 @@ METRICS: tuple[StatMetric, ...] = (
                lambda s, c: _floats(s.waiting_per_bucket)),
     StatMetric("kv_cache_usage", "engine", "KV cache usage (fraction), max over the pool's "
                "engines", "gauge", "pool", _pool_max("kv_cache_usage")),
-    StatMetric("kv_committed", "engine", "Committed KV (prompt + max output admitted) as a "
+    StatMetric("kv_committed", "engine", "Committed KV (prompt + expected output admitted) as a "
                "fraction of the pool, max over engines", "gauge", "none",
                lambda s, c: (s.kv_committed_max,)),
     StatMetric("gpu_memory_used", "engine", "GPU memory used (fraction), max over engines",

@@ -24,9 +24,9 @@ class ControlAction:
     :param max_num_seqs: engine-wide cap on running sequences (vLLM ``--max-num-seqs``;
         live: the scheduler's ``max_num_active_reqs``); ``None`` keeps the engine default.
     :param kv_budget_fraction: admit a request into an engine only while the KV its
-        requests may need (prompt + max output, committed) stays within this fraction of the
-        KV pool; an empty engine always takes its oldest request. ``None`` = no budget. Set by
-        the guard's KV-budget rule.
+        requests are counted at (prompt + expected output, committed) stays within this
+        fraction of the KV pool; an empty engine always takes its oldest request. ``None`` =
+        no budget. Set by the guard's KV-budget rule.
     """
 
     caps: tuple[int | None, ...]
@@ -258,7 +258,7 @@ class DeploymentStats:
 
     @property
     def kv_committed_max(self) -> float:
-        """Highest committed KV (prompt + max output of admitted requests) as a fraction of
+        """Highest committed KV (prompt + expected output of admitted requests) as a fraction of
         the engine's pool, over engines that report a pool (0 when none does)."""
         return max((es.committed_tokens / es.kv_capacity_tokens for es in self.engines
                     if es.kv_capacity_tokens > 0), default=0.0)

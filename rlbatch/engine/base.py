@@ -12,21 +12,6 @@ from rlbatch.engine.stats import EngineStats
 from rlbatch.request import Request
 
 
-def kv_tokens_at_limit(request: Request, prompt_tokens: int, max_model_len: int,
-                       block_size: int) -> int:
-    """KV a request holds if it runs to its declared limit: prompt + ``output_limit`` (cut to
-    the context, as vLLM shortens the output to fit), rounded up to whole blocks (a request
-    holds ``ceil(tokens / block)`` blocks, so token sums alone undercount).
-
-    :param request: the request.
-    :param prompt_tokens: its prompt tokens (after truncation).
-    :param max_model_len: the engine's context.
-    :param block_size: tokens per KV block.
-    """
-    tokens = min(prompt_tokens + request.output_limit, max_model_len)
-    return -(-tokens // block_size) * block_size
-
-
 class Engine(Protocol):
     """One serving engine (one vLLM instance) of one pool."""
 
@@ -61,9 +46,13 @@ class Engine(Protocol):
         ...
 
     def committed_tokens(self) -> int:
-        """Prompt + max output tokens of every request inside the engine, each rounded up to
-        whole KV blocks (:func:`kv_tokens_at_limit`): the KV it will need if every request runs
-        to its limit. Committed KV within the pool means no admitted set can be preempted."""
+        """KV the admission budget counts for the requests inside the engine, whole blocks
+        each (:class:`~rlbatch.engine.reserve.OutputReserve`: their recent-output estimate,
+        grown as they run, or their declared limit)."""
+        ...
+
+    def kv_tokens_to_admit(self, request: Request, bucket: int, prompt_tokens: int) -> int:
+        """What :meth:`committed_tokens` would grow by if ``request`` entered now."""
         ...
 
     @property

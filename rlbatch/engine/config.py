@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from rlbatch.engine.reserve import KV_RESERVE_MODES, KvReserveMode
+
 Precision = Literal["fp16", "fp8"]
 PRECISIONS: tuple[Precision, ...] = ("fp16", "fp8")
 
@@ -38,6 +40,11 @@ class EngineConfig:
         takes the model's own limit.
     :param num_kv_blocks_override: force the KV pool size (tests, calibration); ``None``
         derives it from GPU memory.
+    :param kv_reserve: how the admission budget counts a request's KV
+        (:mod:`rlbatch.engine.reserve`): ``observed`` (recent outputs of its bucket, grown as
+        it runs), ``declared`` (its ``max_tokens``, or the rest of the context) or ``oracle``
+        (its real output: simulator comparisons only).
+    :param kv_reserve_quantile: output quantile ``observed`` reserves at admission.
     """
 
     max_num_seqs: int = 256
@@ -47,6 +54,8 @@ class EngineConfig:
     precision: Precision = "fp16"
     max_model_len: int | None = None
     num_kv_blocks_override: int | None = None
+    kv_reserve: KvReserveMode = "observed"
+    kv_reserve_quantile: float = 0.9
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -66,6 +75,12 @@ class EngineConfig:
         if self.num_kv_blocks_override is not None and self.num_kv_blocks_override < 1:
             raise ValueError(f"num_kv_blocks_override must be >= 1, got "
                              f"{self.num_kv_blocks_override}")
+        if self.kv_reserve not in KV_RESERVE_MODES:
+            raise ValueError(f"kv_reserve must be one of {KV_RESERVE_MODES}, got "
+                             f"{self.kv_reserve!r}")
+        if not 0.0 < self.kv_reserve_quantile <= 1.0:
+            raise ValueError(f"kv_reserve_quantile must be in (0, 1], got "
+                             f"{self.kv_reserve_quantile}")
 
 
 def parse_pools(text: str) -> dict[str, int]:

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from rlbatch.engine.base import kv_tokens_at_limit
 from rlbatch.engine.config import EngineConfig
 from rlbatch.engine.fork import fork_state
+from rlbatch.engine.reserve import OutputReserve
 from rlbatch.engine.stats import EngineStats, FinishedRequest
 from rlbatch.profiles import StepTimeModel
 from rlbatch.request import Request
@@ -42,6 +42,8 @@ class _Seq:
         "bucket",
         "committed",
         "first_token_s",
+        "grow_at",
+        "kv_limit",
         "max_output",
         "num_computed",
         "num_output",
@@ -63,7 +65,11 @@ class _Seq:
         self.blocks = 0
         self.first_token_s = -1.0
         self.preemptions = 0
+        # KV the admission budget counts (rlbatch.engine.reserve), its ceiling, and the
+        # output count at which the count grows next.
         self.committed = 0
+        self.kv_limit = 0
+        self.grow_at = 0
 
 
 class SimEngine:
@@ -132,6 +138,8 @@ class SimEngine:
         self._waiting: deque[_Seq] = deque()
         self._unfinished = [0] * num_buckets
         self._committed_tokens = 0
+        self._reserve = OutputReserve(config.kv_reserve, num_buckets, config.block_size,
+                                      max_model_len, quantile=config.kv_reserve_quantile)
         self._decode_coeffs: dict[int, tuple[float, float]] = {}
         self._reset_interval()
 
@@ -162,6 +170,9 @@ class SimEngine:
     def committed_tokens(self) -> int:
         return self._committed_tokens
 
+    def kv_tokens_to_admit(self, request: Request, bucket: int, prompt_tokens: int) -> int:
+        return self._reserve.at_admission(request, bucket, prompt_tokens)
+
     @property
     def kv_block_size(self) -> int:
         return self._block_size
@@ -186,8 +197,10 @@ class SimEngine:
                 f"request {request.request_id}: prompt {prompt_tokens} + output "
                 f"{request.max_output_tokens} exceeds max_model_len {self.max_model_len}")
         seq = _Seq(request, bucket, prompt_tokens, truncated)
-        seq.committed = kv_tokens_at_limit(request, prompt_tokens, self.max_model_len,
-                                           self._block_size)
+        reserve = self._reserve
+        seq.committed = reserve.at_admission(request, bucket, prompt_tokens)
+        seq.kv_limit = reserve.limit_tokens(request, prompt_tokens)
+        seq.grow_at = reserve.next_growth_at(seq.committed, seq.kv_limit, prompt_tokens)
         self._waiting.append(seq)
         self._unfinished[bucket] += 1
         self._committed_tokens += seq.committed
@@ -196,7 +209,9 @@ class SimEngine:
         """An independent copy of the engine's state (a digital twin's fork): the step-time
         model and config shared, every sequence and counter copied (see
         :func:`~rlbatch.engine.fork.fork_state`)."""
-        return fork_state(self, _Seq)
+        new = fork_state(self, _Seq, share=("_reserve",))
+        new._reserve = self._reserve.fork()
+        return new
 
     def pending(self) -> list[tuple[int, float, float, int, int]]:
         """Requests inside the engine (running, then waiting) as ``(bucket, arrival_s,
@@ -302,6 +317,8 @@ class SimEngine:
                 if seq.num_output >= seq.max_output:
                     self._finish(seq, now)
                     finished_any = True
+                elif seq.num_output >= seq.grow_at:
+                    self._grow(seq)
         self._note_usage()
 
         if (self.event_skipping and prefill_tokens == 0 and not preempted
@@ -350,6 +367,8 @@ class SimEngine:
             blocks = -(-seq.num_computed // block)
             free -= blocks - seq.blocks
             seq.blocks = blocks
+            if seq.num_output >= seq.grow_at:
+                self._grow(seq)
         self._free_blocks = free
         self._note_usage()
 
@@ -377,8 +396,18 @@ class SimEngine:
             self._decode_coeffs[num_decode] = coeffs
         return coeffs
 
+    def _grow(self, seq: _Seq) -> None:
+        """Raise a running request's counted KV as it outgrows its reserve (a pure function
+        of its output so far: skipping and stepping agree)."""
+        reserve = self._reserve
+        grown = reserve.grown(seq.committed, seq.kv_limit, seq.prompt_len, seq.num_output)
+        self._committed_tokens += grown - seq.committed
+        seq.committed = grown
+        seq.grow_at = reserve.next_growth_at(grown, seq.kv_limit, seq.prompt_len)
+
     def _finish(self, seq: _Seq, now: float) -> None:
         self._running.remove(seq)
+        self._reserve.observe(seq.bucket, seq.num_output)
         self._free_blocks += seq.blocks
         seq.blocks = 0
         self._unfinished[seq.bucket] -= 1
@@ -462,5 +491,7 @@ class SimEngine:
         assert held + self._free_blocks == self.num_kv_blocks, (held, self._free_blocks)
         assert 0 <= self._free_blocks <= self.num_kv_blocks
         assert sum(self._unfinished) == len(self._running) + len(self._waiting)
+        assert self._committed_tokens == sum(
+            seq.committed for q in (self._running, self._waiting) for seq in q)
         assert all(seq.blocks == -(-seq.num_computed // self._block_size)
                    for seq in self._running)

@@ -84,8 +84,8 @@ class EngineStats:
     :param waiting: sequences per bucket inside the engine waiting for their (re)prefill.
     :param kv_cache_usage: fraction of KV blocks in use at ``time_s``.
     :param kv_cache_usage_peak: highest fraction of KV blocks in use during the interval.
-    :param committed_tokens: prompt + max output tokens of the requests inside the engine
-        (the KV they need if all run to their limit).
+    :param committed_tokens: KV the admission budget counts for the requests inside the
+        engine (prompt + expected output, whole blocks: :mod:`rlbatch.engine.reserve`).
     :param kv_capacity_tokens: tokens the KV pool holds.
     :param num_kv_blocks: KV blocks in the pool.
     :param gpu_memory_used_bytes: GPU memory in use (the simulator models vLLM's

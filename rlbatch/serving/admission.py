@@ -20,7 +20,7 @@ from typing import Literal
 
 from rlbatch.buckets import Buckets
 from rlbatch.control.types import ControlAction
-from rlbatch.engine.base import Engine, kv_tokens_at_limit
+from rlbatch.engine.base import Engine
 from rlbatch.engine.fork import fork_state
 from rlbatch.engine.stats import FinishedRequest
 from rlbatch.request import Request
@@ -269,8 +269,7 @@ class Admission:
             request, prompt, truncated = queues[best][0]
             if budget is not None:
                 committed = engine.committed_tokens()
-                need = kv_tokens_at_limit(request, prompt, self.max_model_len,
-                                          engine.kv_block_size)
+                need = engine.kv_tokens_to_admit(request, best, prompt)
                 if committed > 0 and committed + need > budget:
                     self.budget_blocked_in_tick = True
                     return admitted

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from rlbatch.engine.base import Engine
 from rlbatch.engine.config import EngineConfig, Precision, vllm_default_budgets
+from rlbatch.engine.reserve import KvReserveMode
 from rlbatch.engine.sim import SimEngine
 from rlbatch.engine.vllm import (
     TINY_KV_CACHE_BYTES,
@@ -90,6 +91,8 @@ def build_sim_deployment(spec: DeploymentSpec) -> Deployment:
             precision=precision,
             max_model_len=max_model_len,
             num_kv_blocks_override=spec.num_kv_blocks,
+            kv_reserve=spec.kv_reserve,
+            kv_reserve_quantile=spec.kv_reserve_quantile,
         )
         step_model = RooflineStepTimeModel(gpu, model, precision=precision, tp=spec.tp,
                                            max_num_batched_tokens=max_tokens,
@@ -135,7 +138,9 @@ def profile_sim_engine(profile: CalibratedProfile, pool: str, engine_id: int,
                        num_buckets: int, *, max_num_seqs: int | None = None,
                        max_num_batched_tokens: int | None = None,
                        num_kv_blocks: int | None = None, event_skipping: bool = True,
-                       start_s: float = 0.0) -> SimEngine:
+                       start_s: float = 0.0, max_model_len: int | None = None,
+                       kv_reserve: KvReserveMode = "observed",
+                       kv_reserve_quantile: float = 0.9) -> SimEngine:
     """A simulated engine standing in for ``pool``'s live engine of a calibrated profile.
 
     :param profile: the calibrated profile.
@@ -147,14 +152,18 @@ def profile_sim_engine(profile: CalibratedProfile, pool: str, engine_id: int,
     :param num_kv_blocks: override its KV block count.
     :param event_skipping: the simulator's event skipping.
     :param start_s: initial clock.
+    :param max_model_len: a shorter context than the measured engine's.
+    :param kv_reserve: how the KV budget counts a request (:mod:`rlbatch.engine.reserve`).
+    :param kv_reserve_quantile: output quantile ``observed`` reserves.
     """
-    config = profile_engine_config(profile, pool, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens)
+    config = replace(profile_engine_config(profile, pool, max_num_seqs=max_num_seqs,
+                                           max_num_batched_tokens=max_num_batched_tokens),
+                     kv_reserve=kv_reserve, kv_reserve_quantile=kv_reserve_quantile)
     return SimEngine(
         engine_id=engine_id, pool=pool, config=config,
         step_model=profile.step_time_model(pool),
         num_kv_blocks=num_kv_blocks or profile.num_kv_blocks(pool),
-        max_model_len=profile.max_model_len,
+        max_model_len=max_model_len or profile.max_model_len,
         gpu_memory_total_bytes=profile.gpu_memory_total_bytes, num_buckets=num_buckets,
         event_skipping=event_skipping, start_s=start_s)
 
@@ -184,8 +193,9 @@ def build_profile_deployment(spec: DeploymentSpec,
             eng = profile_sim_engine(
                 profile, pool, len(engines), len(spec.buckets), max_num_seqs=spec.max_num_seqs,
                 max_num_batched_tokens=spec.max_num_batched_tokens,
-                num_kv_blocks=spec.num_kv_blocks, event_skipping=spec.event_skipping)
-            eng.max_model_len = max_model_len
+                num_kv_blocks=spec.num_kv_blocks, event_skipping=spec.event_skipping,
+                max_model_len=max_model_len, kv_reserve=spec.kv_reserve,
+                kv_reserve_quantile=spec.kv_reserve_quantile)
             engines.append(eng)
     first = engines[0]
     return assemble_deployment(
@@ -230,7 +240,8 @@ def live_config_from_spec(spec: DeploymentSpec,
         max_model_len=spec.max_model_len or config.max_model_len,
         num_kv_blocks=spec.num_kv_blocks if spec.num_kv_blocks is not None
         else config.num_kv_blocks,
-        gpu_memory_utilization=spec.gpu_memory_utilization, kv_cache_memory_bytes=kv_bytes)
+        gpu_memory_utilization=spec.gpu_memory_utilization, kv_cache_memory_bytes=kv_bytes,
+        kv_reserve=spec.kv_reserve, kv_reserve_quantile=spec.kv_reserve_quantile)
 
 
 def build_live_deployment(spec: DeploymentSpec, config: VllmEngineConfig | None = None, *,

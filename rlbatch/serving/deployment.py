@@ -13,6 +13,7 @@ from rlbatch.control.types import SLA, ControlAction, DeploymentInfo
 from rlbatch.engine.base import Engine
 from rlbatch.engine.config import PRECISIONS
 from rlbatch.engine.fork import fork_state
+from rlbatch.engine.reserve import KV_RESERVE_MODES, KvReserveMode
 from rlbatch.engine.stats import EngineStats
 from rlbatch.request import Request
 from rlbatch.serving.admission import Admission, AdmissionConfig
@@ -43,6 +44,9 @@ class DeploymentSpec:
         model is ``tiny`` or a checkpoint folder).
     :param profile: a calibrated step-time profile (``rlbatch calibrate``) the simulator
         uses instead of the roofline model.
+    :param kv_reserve: how the KV budget counts a request (``observed``, ``declared``,
+        ``oracle``; :mod:`rlbatch.engine.reserve`).
+    :param kv_reserve_quantile: output quantile ``observed`` reserves at admission.
     """
 
     gpu: str = "a100-80g"
@@ -62,6 +66,8 @@ class DeploymentSpec:
     cold_start: bool = False
     engine: str = "sim"
     profile: str | None = None
+    kv_reserve: KvReserveMode = "observed"
+    kv_reserve_quantile: float = 0.9
 
     def __post_init__(self) -> None:
         if not self.pools:
@@ -73,6 +79,12 @@ class DeploymentSpec:
             raise ValueError(f"tick_s must be > 0, got {self.tick_s}")
         if self.engine not in ("sim", "vllm"):
             raise ValueError(f"engine must be 'sim' or 'vllm', got {self.engine!r}")
+        if self.kv_reserve not in KV_RESERVE_MODES:
+            raise ValueError(f"kv_reserve must be one of {KV_RESERVE_MODES}, got "
+                             f"{self.kv_reserve!r}")
+        if not 0.0 < self.kv_reserve_quantile <= 1.0:
+            raise ValueError(f"kv_reserve_quantile must be in (0, 1], got "
+                             f"{self.kv_reserve_quantile}")
 
 
 class Deployment:

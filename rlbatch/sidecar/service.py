@@ -75,7 +75,8 @@ class Sidecar:
         self.tickets: dict[int, Ticket] = {}
         self._next_id = 0
         self.upstreams = [HttpUpstream(i, spec, len(self.buckets), self.tickets, self.now,
-                                       settings.max_num_seqs)
+                                       settings.max_num_seqs, kv_reserve=settings.kv_reserve,
+                                       kv_reserve_quantile=settings.kv_reserve_quantile)
                           for i, spec in enumerate(settings.upstreams)]
         guard = guard_config(controller)
         # vLLM's own rule unless the operator chose the sidecar's: the default must not change

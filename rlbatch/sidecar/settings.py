@@ -89,6 +89,13 @@ class SidecarSettings:
         the body goes upstream untouched), ``truncate`` (keep the prompt's last tokens, vLLM
         ``truncate_prompt_tokens``, and the output asked for) or ``reject`` (400 whenever the
         sum does not fit); ``None`` = ``vllm``.
+    :param kv_reserve: how the KV budget counts a forwarded request: ``observed`` (prompt + a
+        high quantile of the completions its bucket recently got from that upstream, at most
+        its ``max_tokens``) or ``declared`` (prompt + its ``max_tokens``, or the rest of the
+        context when it sends none). The proxy sees no tokens while they are generated, so
+        the observed count does not grow as a request runs (the engines' does); vLLM's KV
+        usage, which the ``kv_high`` rule reads, covers what it misses.
+    :param kv_reserve_quantile: output quantile ``observed`` reserves.
     :param shadow: decide and log every tick but never act: no caps, every request to
         ``shadow_pool``.
     :param shadow_pool: pool every request goes to in shadow mode (default: the first pool).
@@ -152,6 +159,8 @@ class SidecarSettings:
     tokenizer_thread_chars: int = 2048
     max_model_len: int | None = None
     over_length: OverLength | None = None
+    kv_reserve: Literal["observed", "declared"] = "observed"
+    kv_reserve_quantile: float = 0.9
     shadow: bool = False
     shadow_pool: str | None = None
     logdir: Path | None = None
@@ -232,6 +241,12 @@ class SidecarSettings:
         if self.over_length not in (None, "vllm", "truncate", "reject"):
             raise ValueError(f"over_length must be 'vllm', 'truncate' or 'reject', got "
                              f"{self.over_length!r}")
+        if self.kv_reserve not in ("observed", "declared"):
+            raise ValueError(f"kv_reserve must be 'observed' or 'declared', got "
+                             f"{self.kv_reserve!r}")
+        if not 0.0 < self.kv_reserve_quantile <= 1.0:
+            raise ValueError(f"kv_reserve_quantile must be in (0, 1], got "
+                             f"{self.kv_reserve_quantile}")
         if self.tokenizer not in TOKENIZER_MODES and not Path(self.tokenizer).exists():
             raise ValueError(f"tokenizer must be one of {TOKENIZER_MODES} or an existing "
                              f"tokenizer.json / model folder, got {self.tokenizer!r}")

@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from rlbatch.engine.reserve import KvReserveMode, OutputReserve
 from rlbatch.engine.stats import EngineStats, FinishedRequest
 from rlbatch.request import Request
 from rlbatch.sidecar.settings import UpstreamSpec
@@ -46,6 +47,7 @@ class Ticket:
     :param prompt_tokens: prompt tokens served (after truncation).
     :param truncated: admission truncated the prompt.
     :param tried: engine ids that failed this request (not retried there).
+    :param committed: the KV the budget counts for it while it is in an upstream (tokens).
     """
 
     request: Request
@@ -56,6 +58,7 @@ class Ticket:
     prompt_tokens: int = 0
     truncated: bool = False
     tried: set[int] = field(default_factory=set)
+    committed: int = 0
 
 
 class HttpUpstream:
@@ -67,11 +70,14 @@ class HttpUpstream:
     :param tickets: the sidecar's live tickets by request id (``add_request`` looks them up).
     :param clock: the sidecar clock (seconds since start).
     :param configured_max_num_seqs: the server's ``--max-num-seqs``.
+    :param kv_reserve: ``observed`` or ``declared`` (see :class:`SidecarSettings`).
+    :param kv_reserve_quantile: output quantile ``observed`` reserves.
     """
 
     def __init__(self, engine_id: int, spec: UpstreamSpec, num_buckets: int,
                  tickets: dict[int, Ticket], clock: Callable[[], float],
-                 configured_max_num_seqs: int) -> None:
+                 configured_max_num_seqs: int, *, kv_reserve: KvReserveMode = "observed",
+                 kv_reserve_quantile: float = 0.9) -> None:
         self.engine_id = engine_id
         self.pool = spec.pool
         self.url = spec.url
@@ -85,6 +91,9 @@ class HttpUpstream:
         self._total = 0
         self._running_total = 0
         self._committed = 0
+        # Plain tokens (block size 1), see kv_block_size; the context bound is the request's.
+        self._reserve = OutputReserve(kv_reserve, num_buckets, 1, UNHEALTHY_LOAD,
+                                      quantile=kv_reserve_quantile)
         self._waiting: deque[Ticket] = deque()
         self.finished: list[FinishedRequest] = []
         self.healthy = False
@@ -137,6 +146,12 @@ class HttpUpstream:
     def committed_tokens(self) -> int:
         return self._committed
 
+    def kv_tokens_to_admit(self, request: Request, bucket: int, prompt_tokens: int) -> int:
+        # max_output_tokens is the limit the request runs under (its max_tokens, fitted).
+        limit = request.max_output_tokens
+        expected = self._reserve.expected_output(bucket)
+        return prompt_tokens + (limit if expected is None else min(limit, expected))
+
     @property
     def kv_block_size(self) -> int:
         # Committed in plain tokens: the server's block size may arrive (first scrape) after
@@ -158,7 +173,8 @@ class HttpUpstream:
         ticket.truncated = truncated
         self.unfinished[bucket] += 1
         self._total += 1
-        self._committed += prompt_tokens + request.max_output_tokens
+        ticket.committed = self.kv_tokens_to_admit(request, bucket, prompt_tokens)
+        self._committed += ticket.committed
         if self._running_total < self.max_num_seqs and not self._waiting:
             self._run(ticket)
         else:
@@ -267,7 +283,9 @@ class HttpUpstream:
             raise AssertionError(f"release of a ticket in state {ticket.state}")
         self.unfinished[b] -= 1
         self._total -= 1
-        self._committed -= ticket.prompt_tokens + ticket.request.max_output_tokens
+        self._committed -= ticket.committed
+        if record is not None and not record.rejected:
+            self._reserve.observe(b, record.output_tokens)
         ticket.state = DONE
         ticket.upstream = None
         if record is not None:

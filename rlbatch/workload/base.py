@@ -134,8 +134,9 @@ def build_workload(rows: Iterable[RequestRow], *, name: str, source: str,
 
 def declare_max_tokens(workload: Workload, max_tokens: int) -> Workload:
     """Every client declares ``max_tokens`` (or its real output, if longer), as chat clients
-    that send one service-wide limit do. Only what admission commits changes (the KV budget
-    reserves the declared limit); every request still generates its real output.
+    that send one service-wide limit do. Only what the KV budget may count changes (the
+    ``declared`` count is that limit, the ``observed`` one is capped by it); every request
+    still generates its real output.
 
     :param workload: the workload.
     :param max_tokens: the declared output limit (>= 1).

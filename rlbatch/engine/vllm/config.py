@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlbatch.engine.reserve import KV_RESERVE_MODES, KvReserveMode
+
 __all__ = ["TINY_KV_CACHE_BYTES", "TINY_MODEL", "VllmEngineConfig", "kv_cache_dtype_for_pool"]
 
 TINY_MODEL = "tiny"
@@ -54,6 +56,9 @@ class VllmEngineConfig:
     :param cpu_threads: ``OMP_NUM_THREADS`` for the CPU backend (1 avoids the 100 ms step
         stalls seen with more threads on 2 cores); ``None`` leaves the environment alone.
     :param quiet: set ``VLLM_LOGGING_LEVEL=ERROR`` unless the environment sets it.
+    :param kv_reserve: how the admission budget counts a request's KV (as the simulator's
+        :class:`~rlbatch.engine.config.EngineConfig`).
+    :param kv_reserve_quantile: output quantile ``observed`` reserves at admission.
     """
 
     model: str = TINY_MODEL
@@ -70,6 +75,8 @@ class VllmEngineConfig:
     seed: int = 0
     cpu_threads: int | None = 1
     quiet: bool = True
+    kv_reserve: KvReserveMode = "observed"
+    kv_reserve_quantile: float = 0.9
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -96,6 +103,12 @@ class VllmEngineConfig:
             raise ValueError(f"block_size must be >= 1 or None, got {self.block_size}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1 or None, got {self.cpu_threads}")
+        if self.kv_reserve not in KV_RESERVE_MODES:
+            raise ValueError(f"kv_reserve must be one of {KV_RESERVE_MODES}, got "
+                             f"{self.kv_reserve!r}")
+        if not 0.0 < self.kv_reserve_quantile <= 1.0:
+            raise ValueError(f"kv_reserve_quantile must be in (0, 1], got "
+                             f"{self.kv_reserve_quantile}")
 
     @property
     def precision(self) -> str:

@@ -58,7 +58,7 @@ from typing import Any
 
 import numpy as np
 
-from rlbatch.engine.base import kv_tokens_at_limit
+from rlbatch.engine.reserve import OutputReserve
 from rlbatch.engine.stats import EngineStats, FinishedRequest
 from rlbatch.engine.telemetry import MemoryTelemetry
 from rlbatch.engine.vllm.clock import LiveClock
@@ -72,7 +72,7 @@ __all__ = ["VllmEngine"]
 class _Live:
     """rlbatch's bookkeeping of one request inside a live engine."""
 
-    __slots__ = ("arrival_s", "bucket", "committed", "first_token_s", "max_output",
+    __slots__ = ("arrival_s", "bucket", "committed", "first_token_s", "kv_limit", "max_output",
                  "preemptions", "prompt_len", "request_id", "truncated", "vllm_id")
 
     def __init__(self, request: Request, bucket: int, prompt_len: int, truncated: bool,
@@ -86,7 +86,9 @@ class _Live:
         self.vllm_id = vllm_id
         self.first_token_s = -1.0
         self.preemptions = 0
+        # admission reserve and ceiling (rlbatch.engine.reserve)
         self.committed = 0
+        self.kv_limit = 0
 
 
 
@@ -154,7 +156,8 @@ class VllmEngine:
         self._by_ext: dict[str, _Live] = {}
         self._by_vllm: dict[str, _Live] = {}
         self._unfinished = [0] * num_buckets
-        self._committed_tokens = 0
+        self._reserve = OutputReserve(config.kv_reserve, num_buckets, self.block_size,
+                                      self.max_model_len, quantile=config.kv_reserve_quantile)
         self._now = clock.now()
         self._closed = False
         self.iterations: list[IterationRecord] | None = [] if record_iterations else None
@@ -195,7 +198,18 @@ class VllmEngine:
         return len(self._by_ext)
 
     def committed_tokens(self) -> int:
-        return self._committed_tokens
+        # Grown counts read vLLM's own output counters (a handful of live requests here).
+        reserve = self._reserve
+        requests = self._scheduler.requests
+        total = 0
+        for live in self._by_ext.values():
+            req = requests.get(live.vllm_id)
+            generated = int(req.num_output_tokens) if req is not None else 0
+            total += reserve.grown(live.committed, live.kv_limit, live.prompt_len, generated)
+        return total
+
+    def kv_tokens_to_admit(self, request: Request, bucket: int, prompt_tokens: int) -> int:
+        return self._reserve.at_admission(request, bucket, prompt_tokens)
 
     @property
     def kv_block_size(self) -> int:
@@ -228,12 +242,11 @@ class VllmEngine:
                                                                       prompt_tokens))
         vllm_id = str(self._engine.add_request(ext_id, prompt, params))
         live = _Live(request, bucket, prompt_tokens, truncated, vllm_id)
-        live.committed = kv_tokens_at_limit(request, prompt_tokens, self.max_model_len,
-                                            self.block_size)
+        live.committed = self._reserve.at_admission(request, bucket, prompt_tokens)
+        live.kv_limit = self._reserve.limit_tokens(request, prompt_tokens)
         self._by_ext[ext_id] = live
         self._by_vllm[vllm_id] = live
         self._unfinished[bucket] += 1
-        self._committed_tokens += live.committed
 
     def advance_idle(self, to_s: float) -> None:
         if not self.is_idle():
@@ -298,7 +311,7 @@ class VllmEngine:
             waiting=tuple(waiting),
             kv_cache_usage=usage,
             kv_cache_usage_peak=max(peak, usage),
-            committed_tokens=self._committed_tokens,
+            committed_tokens=self.committed_tokens(),
             kv_capacity_tokens=self.kv_capacity_tokens,
             num_kv_blocks=self.num_kv_blocks,
             gpu_memory_used_bytes=reading.used_bytes,
@@ -376,9 +389,9 @@ class VllmEngine:
         self._by_vllm.pop(live.vllm_id, None)
         self._probe.forget(live.vllm_id)
         self._unfinished[live.bucket] -= 1
-        self._committed_tokens -= live.committed
         completions = out.outputs
         n_out = len(completions[0].token_ids) if completions else live.max_output
+        self._reserve.observe(live.bucket, n_out)
         first = live.first_token_s if live.first_token_s >= 0.0 else now
         if live.first_token_s < 0.0:  # the probe missed it: the first token came now
             self._first_tokens.append((live.request_id, now))

@@ -1,0 +1,155 @@
+"""How much KV the admission budget counts for each request inside an engine.
+
+A client rarely says how long its answer will be: OpenAI's ``max_tokens`` is optional, and
+when it is sent it is a ceiling (often 1-4k) far above the typical answer. Counting every
+request at its declared limit (``declared``) therefore admits a fraction of what the pool
+holds; counting the real output (``oracle``) is only possible in a simulator replaying a
+trace. ``observed`` (the default) counts what the engine's own recent completions say:
+
+* at admission a request reserves its prompt plus a high quantile of the outputs recently
+  finished in its length bucket (``quantile``, over the last ``window`` completions), never
+  more than its declared limit; until a bucket has ``min_samples`` completions the quantile
+  of all buckets' completions stands in, and until those are ``min_samples`` either the
+  declared limit (nothing known yet, so no bet is made);
+* a running request that has generated ``g`` tokens counts at least ``prompt + 2 g`` (a
+  request that already ran long is likely to run as long again: output lengths are heavy
+  tailed), capped at its limit. This is a pure function of the request's state, so event
+  skipping and stepping give the same figure.
+
+The budget is then an estimate, not a guarantee: a burst of unusually long answers can still
+outgrow the pool (vLLM preempts), which the ``kv_high`` rule watches. Preemptions are counted
+in every row.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Literal
+
+from rlbatch.request import Request
+
+KvReserveMode = Literal["observed", "declared", "oracle"]
+KV_RESERVE_MODES: tuple[KvReserveMode, ...] = ("observed", "declared", "oracle")
+
+
+def declared_output_limit(request: Request, prompt_tokens: int, max_model_len: int) -> int:
+    """The output ceiling vLLM enforces: the client's ``max_tokens``, or the rest of the
+    context when it sent none (vLLM's default), cut to the context.
+
+    :param request: the request.
+    :param prompt_tokens: its prompt tokens (after truncation).
+    :param max_model_len: the engine's context.
+    """
+    room = max(max_model_len - prompt_tokens, 1)
+    return room if request.max_tokens is None else min(request.max_tokens, room)
+
+
+def round_to_blocks(tokens: int, block_size: int) -> int:
+    """``tokens`` rounded up to whole KV blocks (a request holds ``ceil(tokens / block)``)."""
+    return -(-tokens // block_size) * block_size
+
+
+class OutputReserve:
+    """Per-engine reservation rule (see the module docstring).
+
+    :param mode: ``observed``, ``declared`` or ``oracle``.
+    :param num_buckets: prompt-length buckets (one output history each).
+    :param block_size: tokens per KV block.
+    :param max_model_len: the engine's context.
+    :param quantile: the output quantile reserved at admission (``observed``).
+    :param window: completions kept per bucket.
+    :param min_samples: completions a bucket needs before its quantile is trusted.
+    """
+
+    def __init__(self, mode: KvReserveMode, num_buckets: int, block_size: int,
+                 max_model_len: int, *, quantile: float = 0.9, window: int = 256,
+                 min_samples: int = 16) -> None:
+        if mode not in KV_RESERVE_MODES:
+            raise ValueError(f"kv_reserve must be one of {KV_RESERVE_MODES}, got {mode!r}")
+        if not 0.0 < quantile <= 1.0:
+            raise ValueError(f"kv_reserve quantile must be in (0, 1], got {quantile}")
+        if window < 1 or not 1 <= min_samples <= window:
+            raise ValueError(f"need window >= 1 and 1 <= min_samples <= window, got "
+                             f"window={window}, min_samples={min_samples}")
+        self.mode: KvReserveMode = mode
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.quantile = quantile
+        self.min_samples = min_samples
+        # one history per bucket, and the last one pooled over all buckets
+        self._history: list[deque[int]] = [deque(maxlen=window)
+                                           for _ in range(num_buckets + 1)]
+        # Quantiles are re-sorted only after new completions (a cache per history).
+        self._cached: list[int | None] = [None] * (num_buckets + 1)
+
+    def fork(self) -> OutputReserve:
+        """An independent copy (a digital twin's engine fork must not feed the original)."""
+        new = object.__new__(OutputReserve)
+        new.__dict__.update(self.__dict__)
+        new._history = [deque(h, maxlen=h.maxlen) for h in self._history]
+        new._cached = list(self._cached)
+        return new
+
+    def observe(self, bucket: int, output_tokens: int) -> None:
+        """A request of ``bucket`` finished after ``output_tokens`` tokens."""
+        if self.mode == "observed":
+            self._history[bucket].append(output_tokens)
+            self._history[-1].append(output_tokens)
+            self._cached[bucket] = self._cached[-1] = None
+
+    def expected_output(self, bucket: int) -> int | None:
+        """The output tokens reserved at admission for ``bucket``: its own quantile, else
+        the pooled one (``None``: too few completions anywhere yet)."""
+        for index in (bucket, -1):
+            cached = self._cached[index]
+            if cached is not None:
+                return cached
+            history = self._history[index]
+            if len(history) >= self.min_samples:
+                ordered = sorted(history)
+                value = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
+                self._cached[index] = value
+                return value
+        return None
+
+    def limit_tokens(self, request: Request, prompt_tokens: int) -> int:
+        """KV at the request's limit, whole blocks (what ``declared`` reserves)."""
+        if self.mode == "oracle":
+            tokens = prompt_tokens + request.max_output_tokens
+        else:
+            tokens = prompt_tokens + declared_output_limit(request, prompt_tokens,
+                                                           self.max_model_len)
+        return round_to_blocks(min(tokens, self.max_model_len), self.block_size)
+
+    def at_admission(self, request: Request, bucket: int, prompt_tokens: int) -> int:
+        """KV the request is counted at when it enters the engine, whole blocks."""
+        limit = self.limit_tokens(request, prompt_tokens)
+        if self.mode != "observed":
+            return limit
+        expected = self.expected_output(bucket)
+        if expected is None:
+            return limit
+        return min(limit, round_to_blocks(prompt_tokens + expected, self.block_size))
+
+    def grown(self, reserved: int, limit: int, prompt_tokens: int, num_output: int) -> int:
+        """The count of a running request that generated ``num_output`` tokens: its
+        admission reserve, or ``prompt + 2 x num_output`` once it outgrows that, at most its
+        limit (whole blocks).
+
+        :param reserved: its admission reserve.
+        :param limit: its limit (:meth:`limit_tokens`).
+        :param prompt_tokens: its prompt.
+        :param num_output: tokens generated so far.
+        """
+        need = round_to_blocks(prompt_tokens + 2 * num_output, self.block_size)
+        if need <= reserved:
+            return reserved
+        return need if need < limit else limit
+
+    def next_growth_at(self, reserved: int, limit: int, prompt_tokens: int) -> int:
+        """The output count from which :meth:`grown` exceeds ``reserved`` (a sentinel above
+        any output when it never does)."""
+        if reserved >= limit:
+            return 1 << 62
+        # grown > reserved  <=>  prompt + 2 g > reserved
+        return max((reserved - prompt_tokens) // 2 + 1, 0)

@@ -1,0 +1,138 @@
+"""The KV budget's per-request count: declared limits, the observed-output estimate, growth."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rlbatch.engine.config import EngineConfig
+from rlbatch.engine.reserve import OutputReserve, declared_output_limit
+from rlbatch.request import Request
+from rlbatch.sidecar.settings import UpstreamSpec
+from rlbatch.sidecar.upstream import HttpUpstream, Ticket
+from tests.factories import record, sim_engine
+
+MAX_LEN = 512
+
+
+def test_declared_limit_is_max_tokens_or_the_rest_of_the_context() -> None:
+    assert declared_output_limit(Request(0, 0.0, 100, 50), 100, MAX_LEN) == 412
+    assert declared_output_limit(Request(0, 0.0, 100, 50, max_tokens=80), 100, MAX_LEN) == 80
+    assert declared_output_limit(Request(0, 0.0, 100, 50, max_tokens=9999), 100, MAX_LEN) == 412
+
+
+@pytest.mark.parametrize(("mode", "expected"), [
+    ("oracle", 160),     # 100 + the real 50 -> 10 blocks
+    ("declared", 512),   # no max_tokens: the whole context
+    ("observed", 512),   # nothing observed yet: the declared limit
+])
+def test_admission_count_by_mode(mode: str, expected: int) -> None:
+    reserve = OutputReserve(mode, 1, 16, MAX_LEN)  # type: ignore[arg-type]
+    assert reserve.at_admission(Request(0, 0.0, 100, 50), 0, 100) == expected
+
+
+def test_observed_reserves_the_bucket_quantile_once_it_has_enough_completions() -> None:
+    reserve = OutputReserve("observed", 2, 16, MAX_LEN, quantile=0.9, min_samples=16)
+    for out in range(1, 16):
+        reserve.observe(0, out)
+    assert reserve.expected_output(0) is None  # 15 < min_samples
+    for out in range(16, 101):
+        reserve.observe(0, out)
+    assert reserve.expected_output(0) == 91  # sorted 1..100, index int(0.9 * 100)
+    assert reserve.expected_output(1) == 91  # no history of its own yet: the pooled one
+    for _ in range(16):
+        reserve.observe(1, 7)
+    assert reserve.expected_output(1) == 7  # then its own
+    assert reserve.at_admission(Request(0, 0.0, 100, 50), 0, 100) == 192  # 100 + 91 -> 12 blocks
+    assert reserve.at_admission(Request(0, 0.0, 100, 30, max_tokens=40), 0, 100) == 144
+
+
+def test_observed_history_is_a_sliding_window() -> None:
+    reserve = OutputReserve("observed", 1, 16, MAX_LEN, window=32, min_samples=1, quantile=1.0)
+    for _ in range(32):
+        reserve.observe(0, 300)
+    for _ in range(32):
+        reserve.observe(0, 10)
+    assert reserve.expected_output(0) == 10
+
+
+@given(prompt=st.integers(1, 300), reserve_out=st.integers(0, 200), cap_out=st.integers(1, 200))
+def test_growth_starts_exactly_where_next_growth_at_says(prompt: int, reserve_out: int,
+                                                         cap_out: int) -> None:
+    r = OutputReserve("observed", 1, 16, MAX_LEN)
+    limit = r.limit_tokens(Request(0, 0.0, prompt, 1, max_tokens=reserve_out + cap_out), prompt)
+    reserved = min(limit, -(-(prompt + reserve_out) // 16) * 16)
+    at = r.next_growth_at(reserved, limit, prompt)
+    if reserved >= limit:
+        assert r.grown(reserved, limit, prompt, 10_000) == reserved
+        return
+    assert at >= 0
+    if at > 0:
+        assert r.grown(reserved, limit, prompt, at - 1) == reserved
+    grown = r.grown(reserved, limit, prompt, at)
+    assert reserved < grown <= limit and grown % 16 == 0
+    assert r.grown(reserved, limit, prompt, 10_000) == limit
+
+
+def test_engine_count_grows_as_a_request_outruns_its_reserve() -> None:
+    engine = sim_engine(0, "fp16", blocks=200)
+    reserve = engine._reserve
+    for _ in range(16):
+        reserve.observe(0, 20)  # bucket 0 usually answers in 20 tokens
+    engine.add_request(Request(0, 0.0, 32, 300), 0, 32, False)
+    assert engine.committed_tokens() == 64  # 32 + 20 -> 4 blocks
+    seen = set()
+    while not engine.is_idle():
+        running = list(engine._running)
+        engine.step(engine.now_s)  # one iteration at a time (no event skipping)
+        if running and not engine.is_idle():
+            out = running[0].num_output
+            expected = max(64, min(512, -(-(32 + 2 * out) // 16) * 16))
+            assert engine.committed_tokens() == expected, out
+            seen.add(expected)
+    assert {64, 80, 336, 512} <= seen  # reserve, first growth, midway, the context
+    assert engine.committed_tokens() == 0 and reserve._history[0][-1] == 300  # learnt
+
+
+def test_fork_does_not_feed_the_original_history() -> None:
+    engine = sim_engine(0, "fp16")
+    twin = engine.fork()
+    twin._reserve.observe(0, 5)
+    assert len(engine._reserve._history[0]) == 0 and len(twin._reserve._history[0]) == 1
+    assert len(engine._reserve._history[-1]) == 0
+
+
+@pytest.mark.parametrize("bad", [{"kv_reserve": "guess"}, {"kv_reserve_quantile": 0.0},
+                                 {"kv_reserve_quantile": 1.5}])
+def test_bad_reserve_settings_are_refused(bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match="kv_reserve"):
+        EngineConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_sidecar_upstream_counts_observed_outputs_after_enough_completions() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        tickets: dict[int, Ticket] = {}
+        upstream = HttpUpstream(0, UpstreamSpec("fp16", "http://127.0.0.1:9"), 1, tickets,
+                                lambda: 0.0, 64, kv_reserve_quantile=0.5)
+
+        def forward(i: int, max_out: int) -> Ticket:
+            ticket = Ticket(Request(i, 0.0, 100, max_out), 0, loop.create_future())
+            tickets[i] = ticket
+            upstream.add_request(ticket.request, 0, 100, False)
+            return ticket
+
+        first = forward(0, 1000)
+        assert upstream.committed_tokens() == 1100  # nothing observed: the declared limit
+        upstream.release(first, record(0, 0, output_tokens=40))
+        for i in range(1, 16):
+            upstream.release(forward(i, 1000), record(i, 0, output_tokens=40))
+        assert upstream.committed_tokens() == 0
+        forward(16, 1000)
+        forward(17, 30)  # never counted above its own max_tokens
+        assert upstream.committed_tokens() == (100 + 40) + (100 + 30)
+    finally:
+        loop.close()
