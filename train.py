@@ -3,29 +3,43 @@
     python train.py                       # the recipe: mpc teacher -> student -> DAgger
     python train.py --seed 1 --out runs/seed1
     python train.py --method ppo --timesteps 20000 --out runs/quick   # PPO from scratch
+    python train.py --seeds 0,1,2 --ray --out runs/seeds   # 3 seeds as Ray tasks
     tensorboard --logdir runs
 
 The logic lives in ``policies/recipe.py`` (teacher -> behaviour cloning -> DAgger ->
 selection), ``policies/training.py`` (PPO from scratch), ``policies/protocol.py`` (the
 comparison on traffic the policy never trained on) and ``policies/evaluation.py`` (the
-comparison on both shipped traces); this file only parses arguments.
+comparison on both shipped traces); several seeds at once, on Ray or not, are
+``policies/multiseed.py``; this file only parses arguments.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
 
 from policies.evaluation import final_comparison
+from policies.multiseed import protocol_comparison, run_seeds, seed_runs, tb_logger
+from policies.protocol import render
 from policies.recipe import RecipeConfig, run_recipe
 from policies.training import TrainConfig, train
+from rlbatch.commands.argtypes import checked
 from rlbatch.commands.options import add_gpu_model_options, add_pools_option
 from rlbatch.engine.config import format_pools
 from rlbatch.paths import resolve_trace_ref
+from rlbatch.scale.cluster import add_ray_option
+from rlbatch.serving.deployment import DeploymentSpec
+
+
+def _seed_list(text: str) -> list[int]:
+    seeds = [int(x) for x in text.split(",") if x.strip()]
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"distinct comma-separated seeds, e.g. 0,1,2; got {text!r}")
+    return seeds
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="distill: teacher -> student -> DAgger (the recipe of the shipped "
                         "policies); ppo: PPO from scratch on rlbatch/BatchSize-v0")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seeds", type=checked(_seed_list), default=None, metavar="S,S,...",
+                   help="train every seed, each in OUT/seed<S> (artifact, TensorBoard run, "
+                        "EVAL.md), judge them in one grid and write the summary over seeds "
+                        "(OUT/seeds.md)")
+    add_ray_option(p, "seeds (one task each), teacher episodes and comparison grid")
+    p.add_argument("--tune", type=int, default=None, metavar="N",
+                   help="a Ray Tune search of N trials over the method's hyperparameters "
+                        "(policies/tune.py), scored on the training traffic; trials in "
+                        "OUT/tune, the best in OUT/tune.json")
     p.add_argument("--trace", dest="traces", nargs="+", default=list(d.traces),
                    help="training traces (paths, or names in the traces folder: "
                         "azure_conv_2023.csv); the recipe uses their first 75%% only")
@@ -79,17 +102,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _tb_logger(out: Path) -> tuple[Any, Any]:
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer = SummaryWriter(str(out / "tb" / "recipe"))
-
-    def log(tag: str, value: float, step: int) -> None:
-        writer.add_scalar(tag, value, step)
-
-    return writer, log
-
-
 def main_distill(args: argparse.Namespace) -> int:
     traces = tuple(str(resolve_trace_ref(t)) for t in args.traces)
     out = Path(args.out or "runs/recipe")
@@ -105,7 +117,7 @@ def main_distill(args: argparse.Namespace) -> int:
         print(f"train.py: error: {exc}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    writer, log = _tb_logger(out)
+    writer, log = tb_logger(out / "tb" / "recipe")
     start = time.perf_counter()
 
     def say(text: str) -> None:
@@ -114,7 +126,7 @@ def main_distill(args: argparse.Namespace) -> int:
                   flush=True)
 
     try:
-        summary = run_recipe(cfg, log=log, progress=say)
+        summary = run_recipe(cfg, log=log, progress=say, ray=args.ray)
     finally:
         writer.close()
     print(f"trained in {summary['wall_s']:.0f} s on {summary['decisions']} teacher decisions; "
@@ -126,8 +138,13 @@ def main_distill(args: argparse.Namespace) -> int:
 
         say("comparison on traffic the policy never saw (policies/protocol.py)")
         best = Path(summary["best"]).parent
-        _rows, _pick, text = evaluate_protocol([f"ppo:{best}", "mpc"], cfg.spec(),
-                                               quiet=args.no_progress)
+        if args.ray is None:
+            _rows, _pick, text = evaluate_protocol([f"ppo:{best}", "mpc"], cfg.spec(),
+                                                   quiet=args.no_progress)
+        else:  # the same grid and report, its runs as Ray tasks
+            rows, pick = protocol_comparison([f"ppo:{best}", "mpc"], cfg.spec(),
+                                             ray=args.ray, quiet=args.no_progress)
+            text = render(rows, [f"ppo:{best}", "mpc"], pick)
         (out / "EVAL.md").write_text(f"# Evaluation of {best}\n\n{text}\n")
         print(text)
     return 0
@@ -153,8 +170,72 @@ def main_ppo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _base_config(args: argparse.Namespace) -> tuple[RecipeConfig | TrainConfig,
+                                                   DeploymentSpec]:
+    """The configuration every seed / trial starts from, and the deployment it is judged on.
+
+    :raises ValueError: an invalid option value.
+    """
+    traces = tuple(str(resolve_trace_ref(t)) for t in args.traces)
+    base: RecipeConfig | TrainConfig
+    if args.method == "distill":
+        base = RecipeConfig(seed=args.seed, traces=traces, gpu=args.gpu, model=args.model,
+                            pools=format_pools(args.pools), teacher=args.teacher,
+                            episodes=args.episodes, episode_s=args.recipe_episode_s,
+                            dagger_rounds=args.dagger_rounds,
+                            dagger_episodes=args.dagger_episodes,
+                            decision_ticks=args.decision_ticks, epochs=args.epochs)
+        return base, base.spec()
+    names = {f.name for f in fields(TrainConfig)}
+    values = {k: v for k, v in vars(args).items() if k in names}
+    values.update(traces=traces, pools=format_pools(values["pools"]))
+    spec = RecipeConfig(gpu=args.gpu, model=args.model, pools=format_pools(args.pools)).spec()
+    return TrainConfig(**values), spec
+
+
+def main_seeds(args: argparse.Namespace) -> int:
+    """``--seeds``: every seed in its own folder, then the summary over seeds."""
+    out = Path(args.out or ("runs/recipe" if args.method == "distill" else "runs/ppo"))
+    try:
+        base, spec = _base_config(args)
+        runs = seed_runs(args.method, base, args.seeds or [args.seed], out)
+    except ValueError as exc:
+        print(f"train.py: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        print(run_seeds(runs, spec, out, ray=args.ray, compare=not args.no_compare,
+                        quiet=args.no_progress))
+    except RuntimeError as exc:  # a seed or a comparison run failed twice on Ray
+        print(f"train.py: failed: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main_tune(args: argparse.Namespace) -> int:
+    """``--tune N``: the search; the best configuration in ``OUT/tune.json``."""
+    from policies.tune import run_tune
+
+    out = Path(args.out or ("runs/recipe" if args.method == "distill" else "runs/ppo"))
+    try:
+        base, _spec = _base_config(args)
+    except ValueError as exc:
+        print(f"train.py: error: {exc}", file=sys.stderr)
+        return 2
+    best, score, table = run_tune(base, args.tune, out / "tune", ray=args.ray)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tune.json").write_text(json.dumps({"best": best, "score": score}, indent=2,
+                                              default=str) + "\n")
+    print(f"{table}\n\nbest score {score:.4f} with {best}; train it over seeds: --seeds 0,1,2")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # PPO trains in one process (SB3): Ray parallelises its seeds, so --ray implies seeds.
+    if args.tune is not None:
+        return main_tune(args)
+    if args.seeds is not None or (args.ray is not None and args.method == "ppo"):
+        return main_seeds(args)
     return main_distill(args) if args.method == "distill" else main_ppo(args)
 
 

@@ -38,6 +38,7 @@ from rlbatch.control.controllers import make_controller
 from rlbatch.control.observation import feature_names, observation_size
 from rlbatch.engine.config import parse_pools
 from rlbatch.paths import default_training_traces
+from rlbatch.scale.tasks import TaskError
 from rlbatch.serving.admission import AdmissionConfig
 from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.serving.run import run
@@ -110,6 +111,33 @@ class RecipeConfig:
     def spec(self) -> DeploymentSpec:
         return DeploymentSpec(gpu=self.gpu, model=self.model, pools=parse_pools(self.pools),
                               admission=AdmissionConfig(over_length="truncate"))
+
+
+def make_labeller(cfg: RecipeConfig, codec: TotalShareCodec,
+                  actor: Any = None) -> LabellingController:
+    """The teacher of ``cfg`` wrapped to record the student's observations and its labels.
+
+    :param cfg: the recipe.
+    :param codec: the student's action space.
+    :param actor: the student driving (DAgger), ``None``: the teacher drives.
+    """
+    teacher = make_controller(cfg.teacher)
+    if not hasattr(teacher, "last_proposal"):
+        raise ValueError(f"teacher {cfg.teacher!r} does not expose last_proposal")
+    return LabellingController(teacher, codec, cfg.obs_version,  # type: ignore[arg-type]
+                               max(codec.totals), cfg.decision_ticks, actor)
+
+
+def _episode_task(item: tuple[int, RecipeConfig, str | None], workload: Workload
+                  ) -> tuple[Demonstrations, list[dict[str, Any]]]:
+    # One teacher / DAgger episode on a Ray worker: a fresh labeller (the teacher resets
+    # fully every run, so this equals the one labeller the serial loop reuses).
+    _, cfg, student = item
+    spec = cfg.spec()
+    codec = TotalShareCodec(TOTAL_LADDER, SHARE_LADDER, tuple(spec.pools), len(spec.buckets))
+    actor = None if student is None else PpoController(load_artifact(Path(student)),
+                                                       name="student")
+    return collect(make_labeller(cfg, codec, actor), [workload], spec)
 
 
 def sample_workloads(cfg: RecipeConfig, rng: np.random.Generator, n: int,
@@ -188,11 +216,15 @@ class Recipe:
 
     :param cfg: the configuration.
     :param log: ``callable(tag, value, step)`` (TensorBoard scalars), optional.
+    :param ray: run the teacher / DAgger episodes as Ray tasks (``None``: in this process;
+        :data:`rlbatch.scale.LOCAL` or a cluster address); the data are the same.
     """
 
     def __init__(self, cfg: RecipeConfig,
-                 log: Callable[[str, float, int], None] | None = None) -> None:
+                 log: Callable[[str, float, int], None] | None = None,
+                 ray: str | None = None) -> None:
         self.cfg = cfg
+        self.ray = ray
         self.log = log or (lambda tag, value, step: None)
         spec = cfg.spec()
         self.spec = spec
@@ -205,16 +237,38 @@ class Recipe:
         self.history: list[dict[str, Any]] = []
 
     def labeller(self, actor: Any = None) -> LabellingController:
-        teacher = make_controller(self.cfg.teacher)
-        if not hasattr(teacher, "last_proposal"):
-            raise ValueError(f"teacher {self.cfg.teacher!r} does not expose last_proposal")
-        return LabellingController(teacher, self.codec, self.cfg.obs_version,  # type: ignore[arg-type]
-                                   max(self.codec.totals), self.cfg.decision_ticks, actor)
+        return make_labeller(self.cfg, self.codec, actor)
+
+    def collect(self, workloads: Sequence[Workload], student: Path | None = None
+                ) -> tuple[Demonstrations, list[dict[str, Any]]]:
+        """Run the teacher (or the student at ``student``, the teacher labelling) over the
+        workloads: here, or one Ray task per workload (workloads through the object store).
+
+        :raises RuntimeError: an episode failed twice on Ray (training needs every one).
+        """
+        if self.ray is None:
+            actor = (None if student is None
+                     else PpoController(load_artifact(student), name="student"))
+            return collect(self.labeller(actor), workloads, self.spec)
+        from rlbatch.scale import connect, failed, run_tasks
+
+        connect(self.ray)
+        items = [(i, self.cfg, None if student is None else str(student))
+                 for i in range(len(workloads))]
+        results = run_tasks(_episode_task, items, shared=dict(enumerate(workloads)),
+                            shared_key=lambda item: item[0],
+                            describe=lambda item: f"episode {item[0]} of seed {self.cfg.seed}",
+                            desc="teacher" if student is None else "dagger")
+        if failed(results):
+            raise RuntimeError("; ".join(f"{e.inputs}: {e.error}" for e in failed(results)))
+        done = [r for r in results if not isinstance(r, TaskError)]
+        return (Demonstrations.concat([d for d, _ in done]),
+                [row for _, rows in done for row in rows])
 
     def teacher_data(self) -> list[dict[str, Any]]:
         """Phase 1: the teacher drives; returns its run rows."""
         workloads = sample_workloads(self.cfg, self.rng, self.cfg.episodes, self.traces)
-        demos, rows = collect(self.labeller(), workloads, self.spec)
+        demos, rows = self.collect(workloads)
         self.demos.append(demos)
         for i, row in enumerate(rows):
             self.log("teacher/goodput_rps", float(row["goodput_rps"] or 0.0), i)
@@ -237,10 +291,9 @@ class Recipe:
 
     def dagger_round(self, artifact: Path, round_: int) -> list[dict[str, Any]]:
         """Phase 3: the student (behind its guard) drives, the teacher labels."""
-        student = PpoController(load_artifact(artifact), name="student")
         workloads = sample_workloads(self.cfg, self.rng, self.cfg.dagger_episodes,
                                      self.traces)
-        demos, rows = collect(self.labeller(student), workloads, self.spec)
+        demos, rows = self.collect(workloads, student=artifact)
         self.demos.append(demos)
         for i, row in enumerate(rows):
             self.log("dagger/student_goodput_rps", float(row["goodput_rps"] or 0.0),
@@ -264,12 +317,19 @@ class Recipe:
 
 
 def run_recipe(cfg: RecipeConfig, log: Callable[[str, float, int], None] | None = None,
-               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """All phases; writes ``out/student-*``, ``out/best`` and ``out/recipe.json``."""
+               progress: Callable[[str], None] | None = None,
+               ray: str | None = None) -> dict[str, Any]:
+    """All phases; writes ``out/student-*``, ``out/best`` and ``out/recipe.json``.
+
+    :param cfg: the configuration.
+    :param log: TensorBoard scalars ``callable(tag, value, step)``.
+    :param progress: phase messages.
+    :param ray: run the teacher and DAgger episodes as Ray tasks (same data).
+    """
     say = progress or (lambda text: None)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    recipe = Recipe(cfg, log)
+    recipe = Recipe(cfg, log, ray)
     start = time.perf_counter()
     say(f"teacher data: {cfg.teacher} on {cfg.episodes} workloads")
     teacher_rows = recipe.teacher_data()

@@ -13,6 +13,7 @@ stamp=.venv/.rlbatch-setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | c
 if [ ! -f "$stamp" ]; then
     .venv/bin/python -m pip install --quiet --upgrade pip
     .venv/bin/python -m pip install --quiet "torch==2.13.0"
+    # rl brings ray[tune] too: --ray (docs/scale-out.md) starts a local Ray cluster from it.
     .venv/bin/python -m pip install --quiet -e ".[rl,dev]"
     # The live engine (rlbatch.engine.vllm, calibrate, fidelity, tests marked live):
     # vLLM for CPU, which pins the torch 2.13.0+cpu above. It also pulls CUDA builds of

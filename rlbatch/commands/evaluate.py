@@ -13,7 +13,8 @@ from rlbatch.commands.options import (
     deployment_spec_from_args,
 )
 from rlbatch.control.controllers import controller_specs, make_controller
-from rlbatch.tools.evaluate import EvalJob, run_jobs
+from rlbatch.scale.cluster import add_ray_option
+from rlbatch.tools.evaluate import EvalJob, error_rows, run_jobs
 from rlbatch.tools.report import format_table, write_json
 
 
@@ -36,7 +37,9 @@ def register(sub: Any) -> None:
     ev.add_argument("--rate-scale", type=positive_floats, default=[1.0],
                     help="comma-separated time-compression factors (2 = twice the rate)")
     ev.add_argument("--json", default=None, help="write the rows to this JSON file")
-    ev.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes)")
+    ev.add_argument("--jobs", type=int, default=1,
+                    help="runs in parallel (processes; not with --ray)")
+    add_ray_option(ev, "grid's runs")
     ev.add_argument("--quiet", action="store_true", help="no progress bar")
     add_deployment_options(ev)
     add_workload_options(ev)
@@ -47,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the grid; print the table; write the rows.
 
     :param args: parsed options.
+    :returns: 0, or 1 when a run failed (``--ray``: its row carries the error).
     """
     names = controller_specs(args.controllers)
     for name in names:  # fail fast on a bad name, before any run
@@ -57,9 +61,16 @@ def run(args: argparse.Namespace) -> int:
             for t in args.trace for r in args.rate_scale for c in names]
     # Live engines run in wall-clock time and share the CPU: one run at a time.
     n_jobs = 1 if args.engine == "vllm" else args.jobs
-    rows = run_jobs(jobs, n_jobs=n_jobs, quiet=args.quiet)
-    print(format_table(rows))
+    if args.ray is not None and args.engine == "vllm":
+        raise ValueError("--ray runs simulator grids; a live engine (--engine vllm) runs on "
+                         "this machine, one run at a time")
+    rows = run_jobs(jobs, n_jobs=n_jobs, quiet=args.quiet, ray=args.ray)
+    failures = error_rows(rows)
+    print(format_table([r for r in rows if "error" not in r]))
+    for r in failures:
+        print(f"FAILED ({r['attempts']} attempts): {r['controller']} on {r['trace']} at rate "
+              f"{r['rate_scale']:g}: {r['error']}")
     if args.json:
         write_json(Path(args.json), rows)
         print(f"\nwrote {len(rows)} rows to {args.json}")
-    return 0
+    return 1 if failures else 0

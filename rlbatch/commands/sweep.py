@@ -21,6 +21,7 @@ from typing import Any
 from rlbatch.commands.argtypes import checked
 from rlbatch.commands.options import add_gpu_model_options
 from rlbatch.engine.config import parse_pools
+from rlbatch.scale.cluster import add_ray_option
 from rlbatch.tools.report import write_json
 from rlbatch.tools.sweep.checklist import SweepResult, run_spec
 from rlbatch.tools.sweep.engines import engine_names
@@ -130,6 +131,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--logdir", type=Path, default=None, metavar="DIR",
                    help="also log the figures and scalars to TensorBoard under sweep/")
     o.add_argument("--quiet", action="store_true", help="no per-point progress lines")
+    add_ray_option(parser, "points (simulator only)")
 
 
 def spec_from_args(args: argparse.Namespace) -> SweepSpec:
@@ -215,14 +217,24 @@ def run(args: argparse.Namespace) -> int:
     """Run the sweep with parsed arguments, print a summary, write the outputs asked for.
 
     :param args: namespace from a parser built with :func:`add_arguments`.
-    :returns: 0 on success, 2 on bad input (message on stderr).
+    :returns: 0 on success, 1 when a point failed (``--ray``: the point says why), 2 on bad
+        input (message on stderr).
     """
+    failures: list[SweepPoint] = []
     try:
         spec = spec_from_args(args)
-        result = run_spec(spec, None if args.quiet else _progress)
+        if getattr(args, "ray", None) is not None:
+            from rlbatch.tools.sweep_ray import run_spec_ray
+
+            result, failures = run_spec_ray(spec, args.ray, quiet=args.quiet)
+        else:
+            result = run_spec(spec, None if args.quiet else _progress)
     except ValueError as exc:
         print(f"rlbatch sweep: error: {exc}", file=sys.stderr)
         return 2
     print(format_summary(result))
+    for point in failures:
+        print(f"FAILED: {point.precision} seq {point.seq_len} batch {point.batch}: "
+              f"{point.reason}")
     _write_outputs(result, args)
-    return 0
+    return 1 if failures else 0

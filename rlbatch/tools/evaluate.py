@@ -1,7 +1,9 @@
-"""Evaluation runs: (controller x workload x rate scale) jobs, in parallel processes."""
+"""Evaluation runs: (controller x workload x rate scale) jobs, serial, in parallel processes,
+or as Ray tasks on a local or remote cluster (``ray=``)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -12,6 +14,7 @@ from tqdm import tqdm
 
 from rlbatch.control.controllers import make_controller
 from rlbatch.control.types import DeploymentStats
+from rlbatch.scale.tasks import TaskError
 from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.serving.run import run
 from rlbatch.workload import (
@@ -70,8 +73,28 @@ def _first(workload: Workload, max_requests: int | None) -> Workload:
                           transforms=(*workload.transforms, f"first {max_requests} requests"))
 
 
-def run_job(job: EvalJob, bar: tqdm[Any] | None = None) -> dict[str, Any]:
-    workload = load_job_workload(job)
+def job_key(job: EvalJob) -> tuple[Any, ...]:
+    """What a job's workload depends on (jobs with one key share one workload)."""
+    return (job.trace, job.rate_scale, job.window, job.max_requests, job.seed, job.max_tokens)
+
+
+def describe_job(job: EvalJob) -> str:
+    """A job's inputs in words (failure reports)."""
+    return (f"{job.controller} on {job.trace} at rate {job.rate_scale:g} (window "
+            f"{job.window}, max_requests {job.max_requests}, seed {job.seed}, drain "
+            f"{job.drain_s:g} s, max_tokens {job.max_tokens}, {job.spec.gpu} / "
+            f"{job.spec.model})")
+
+
+def run_job(job: EvalJob, bar: tqdm[Any] | None = None,
+            workload: Workload | None = None) -> dict[str, Any]:
+    """One run's row.
+
+    :param job: the run.
+    :param bar: advanced by simulated seconds (optional).
+    :param workload: the job's workload if already loaded (default: load it).
+    """
+    workload = load_job_workload(job) if workload is None else workload
     controller = make_controller(job.controller)
 
     def on_tick(stats: DeploymentStats) -> None:
@@ -85,20 +108,75 @@ def run_job(job: EvalJob, bar: tqdm[Any] | None = None) -> dict[str, Any]:
     return result.row
 
 
+def _ray_task(job: EvalJob, workload: Workload) -> dict[str, Any]:
+    return run_job(job, workload=workload)
+
+
+def error_row(job: EvalJob, workload: Workload, failure: TaskError) -> dict[str, Any]:
+    """The row of a run that failed on every attempt: its inputs and its error.
+
+    :param job: the run.
+    :param workload: its workload (for the trace's name).
+    :param failure: what the task reported.
+    """
+    return {"controller": job.controller, "trace": workload.name,
+            "rate_scale": job.rate_scale, "trace_source": job.trace, "window": job.window,
+            "max_requests": job.max_requests, "seed": job.seed, "drain_s": job.drain_s,
+            "max_tokens": job.max_tokens, "gpu": job.spec.gpu, "model": job.spec.model,
+            "error": failure.error, "attempts": failure.attempts}
+
+
+# Row fields measured in wall-clock time on whatever machine ran the row: the only fields that
+# may differ between two runs of one job (serial, process pool, Ray).
+WALL_CLOCK_FIELDS = frozenset({"wall_seconds", "speedup_x", "mpc_decision_ms_mean",
+                               "mpc_decision_ms_p95"})
+
+
+def comparable_rows(rows: list[dict[str, Any]]) -> list[str]:
+    """Rows as canonical JSON without their wall-clock fields: equal lists mean identical
+    results (NaN compares equal here, unlike in the dicts).
+
+    :param rows: evaluation rows.
+    """
+    return [json.dumps({k: v for k, v in r.items() if k not in WALL_CLOCK_FIELDS},
+                       sort_keys=True, default=str) for r in rows]
+
+
+def error_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of failed runs (only a ``ray=`` run has them)."""
+    return [r for r in rows if "error" in r]
+
+
 def run_jobs(jobs: list[EvalJob], *, n_jobs: int = 1, quiet: bool = False,
-             desc: str = "evaluate") -> list[dict[str, Any]]:
-    """Run every job (in ``n_jobs`` processes), rows in job order, with a progress bar.
+             desc: str = "evaluate", ray: str | None = None) -> list[dict[str, Any]]:
+    """Run every job, rows in job order, with one progress bar over the grid.
 
     Every distinct workload is loaded once up front so a bad file fails before minutes of
-    simulation.
+    simulation. Without ``ray`` the jobs run in ``n_jobs`` processes (or in this one) and a
+    failing run raises. With ``ray`` they run as Ray tasks (:mod:`rlbatch.scale`), each
+    workload put in the object store once; a run that fails twice becomes a row with its
+    inputs and ``error`` (:func:`error_rows`). The rows are the same either way: a run's
+    seed is the job's own.
+
+    :param jobs: the runs.
+    :param n_jobs: processes without Ray.
+    :param quiet: no progress bar.
+    :param desc: the progress bar's label.
+    :param ray: ``None`` (no Ray), :data:`rlbatch.scale.LOCAL` (a local cluster) or a
+        cluster address.
     """
-    for key in {(j.trace, j.rate_scale, j.window, j.max_requests, j.seed, j.max_tokens)
-                for j in jobs}:
-        first = next(j for j in jobs if (j.trace, j.rate_scale, j.window, j.max_requests,
-                                         j.seed, j.max_tokens) == key)
-        load_job_workload(first)
+    workloads = {key: load_job_workload(next(j for j in jobs if job_key(j) == key))
+                 for key in dict.fromkeys(job_key(j) for j in jobs)}
     for name in {j.controller for j in jobs}:
         make_controller(name)
+    if ray is not None:
+        from rlbatch.scale import connect, run_tasks
+
+        connect(ray)
+        results = run_tasks(_ray_task, jobs, shared=workloads, shared_key=job_key,
+                            describe=describe_job, desc=desc, quiet=quiet)
+        return [error_row(job, workloads[job_key(job)], r) if isinstance(r, TaskError)
+                else r for job, r in zip(jobs, results, strict=True)]
     rows: list[dict[str, Any]] = []
     with tqdm(total=len(jobs), unit="run", desc=desc, file=sys.stderr, disable=quiet) as bar:
         if n_jobs > 1 and len(jobs) > 1:

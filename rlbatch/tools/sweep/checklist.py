@@ -14,7 +14,7 @@ from rlbatch.tools.sweep.guide import (
     GuideCheck,
     PointKey,
     admitted_seq_lens,
-    check_config,
+    guide_checks,
 )
 from rlbatch.tools.sweep.memory import MemoryPlan
 from rlbatch.tools.sweep.point import SweepPoint, measure_point
@@ -235,12 +235,8 @@ def run_spec(spec: SweepSpec, on_point: PointCallback | None = None) -> SweepRes
                         extra.append(measured[key])
         info = backend.info()
         if spec.check_guide:
-            where = f"{info.gpu} / {info.model}"
-            checks = [check_config(config, measured,
-                                   lambda k: "sweep" if k in grid_keys else "extra run",
-                                   spec.seq_lens, spec.output_len, max_model_len, spec.sla,
-                                   recs, spec.precision, where)
-                      for config in GUIDE_CONFIGS]
+            checks = guide_checks(spec, measured, grid_keys, max_model_len, recs,
+                                  f"{info.gpu} / {info.model}")
         return SweepResult(spec=spec, gpu=info.gpu, model=info.model,
                            max_model_len=max_model_len, gpu_fp8=info.gpu_fp8,
                            points=points, plans=plans, recommendations=recs,

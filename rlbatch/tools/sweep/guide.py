@@ -12,14 +12,14 @@ PagedAttention is always on: vLLM's KV manager (and the simulator's) is paged.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from rlbatch.engine.config import Precision
 from rlbatch.tools.sweep.point import SweepPoint
 from rlbatch.tools.sweep.recommend import SeqLenRecommendation
-from rlbatch.tools.sweep.spec import SweepSLA
+from rlbatch.tools.sweep.spec import SweepSLA, SweepSpec
 
 Verdict = Literal["holds", "fails", "not checked"]
 PointKey = tuple[str, int, int]
@@ -190,3 +190,22 @@ def check_config(config: GuideConfig, points: Mapping[PointKey, SweepPoint],
         verdict=verdict, holds=holds, points=checked, excluded=excluded,
         instead=[r.to_dict() for r in recs],
         summary=head + " " + _instead_text(recs, sweep_precision))
+
+
+def guide_checks(spec: SweepSpec, measured: Mapping[PointKey, SweepPoint],
+                 grid_keys: Collection[PointKey], max_model_len: int,
+                 recs: Sequence[SeqLenRecommendation], where: str) -> list[GuideCheck]:
+    """:func:`check_config` for every guide configuration of a finished sweep.
+
+    :param spec: the sweep.
+    :param measured: every measured point (grid and extra runs).
+    :param grid_keys: the points of the sweep's own grid (the rest are extra runs).
+    :param max_model_len: the engine's context.
+    :param recs: the sweep's recommendations.
+    :param where: GPU / model in words.
+    """
+    return [check_config(config, measured,
+                         lambda k: "sweep" if k in grid_keys else "extra run",
+                         spec.seq_lens, spec.output_len, max_model_len, spec.sla, recs,
+                         spec.precision, where)
+            for config in GUIDE_CONFIGS]
