@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from rlbatch.engine.reserve import KV_RESERVE_MODES, KvReserveMode
+from rlbatch.engine.reserve import KvReserveMode, check_kv_reserve
 
 Precision = Literal["fp16", "fp8"]
 PRECISIONS: tuple[Precision, ...] = ("fp16", "fp8")
@@ -75,12 +75,7 @@ class EngineConfig:
         if self.num_kv_blocks_override is not None and self.num_kv_blocks_override < 1:
             raise ValueError(f"num_kv_blocks_override must be >= 1, got "
                              f"{self.num_kv_blocks_override}")
-        if self.kv_reserve not in KV_RESERVE_MODES:
-            raise ValueError(f"kv_reserve must be one of {KV_RESERVE_MODES}, got "
-                             f"{self.kv_reserve!r}")
-        if not 0.0 < self.kv_reserve_quantile <= 1.0:
-            raise ValueError(f"kv_reserve_quantile must be in (0, 1], got "
-                             f"{self.kv_reserve_quantile}")
+        check_kv_reserve(self.kv_reserve, self.kv_reserve_quantile)
 
 
 def parse_pools(text: str) -> dict[str, int]:

@@ -32,6 +32,21 @@ KvReserveMode = Literal["observed", "declared", "oracle"]
 KV_RESERVE_MODES: tuple[KvReserveMode, ...] = ("observed", "declared", "oracle")
 
 
+def check_kv_reserve(mode: str, quantile: float,
+                     modes: tuple[str, ...] = KV_RESERVE_MODES) -> None:
+    """Refuse a reserve mode or quantile that is not one (every settings class calls this).
+
+    :param mode: the mode asked for.
+    :param quantile: the output quantile asked for.
+    :param modes: the modes the caller supports.
+    :raises ValueError: naming the bad value.
+    """
+    if mode not in modes:
+        raise ValueError(f"kv_reserve must be one of {modes}, got {mode!r}")
+    if not 0.0 < quantile <= 1.0:
+        raise ValueError(f"kv_reserve_quantile must be in (0, 1], got {quantile}")
+
+
 def declared_output_limit(request: Request, prompt_tokens: int, max_model_len: int) -> int:
     """The output ceiling vLLM enforces: the client's ``max_tokens``, or the rest of the
     context when it sent none (vLLM's default), cut to the context.
@@ -64,10 +79,7 @@ class OutputReserve:
     def __init__(self, mode: KvReserveMode, num_buckets: int, block_size: int,
                  max_model_len: int, *, quantile: float = 0.9, window: int = 256,
                  min_samples: int = 16) -> None:
-        if mode not in KV_RESERVE_MODES:
-            raise ValueError(f"kv_reserve must be one of {KV_RESERVE_MODES}, got {mode!r}")
-        if not 0.0 < quantile <= 1.0:
-            raise ValueError(f"kv_reserve quantile must be in (0, 1], got {quantile}")
+        check_kv_reserve(mode, quantile)
         if window < 1 or not 1 <= min_samples <= window:
             raise ValueError(f"need window >= 1 and 1 <= min_samples <= window, got "
                              f"window={window}, min_samples={min_samples}")
@@ -123,10 +135,17 @@ class OutputReserve:
 
     def at_admission(self, request: Request, bucket: int, prompt_tokens: int) -> int:
         """KV the request is counted at when it enters the engine, whole blocks."""
-        limit = self.limit_tokens(request, prompt_tokens)
-        if self.mode != "observed":
-            return limit
-        expected = self.expected_output(bucket)
+        return self.within(self.limit_tokens(request, prompt_tokens), bucket, prompt_tokens)
+
+    def within(self, limit: int, bucket: int, prompt_tokens: int) -> int:
+        """The admission count of a request whose limit is ``limit`` tokens: the limit, or
+        (``observed``) prompt + its bucket's expected output when that is less.
+
+        :param limit: its KV at its limit (:meth:`limit_tokens`, or what the caller knows).
+        :param bucket: its bucket.
+        :param prompt_tokens: its prompt.
+        """
+        expected = self.expected_output(bucket) if self.mode == "observed" else None
         if expected is None:
             return limit
         return min(limit, round_to_blocks(prompt_tokens + expected, self.block_size))

@@ -198,8 +198,8 @@ class SimEngine:
                 f"{request.max_output_tokens} exceeds max_model_len {self.max_model_len}")
         seq = _Seq(request, bucket, prompt_tokens, truncated)
         reserve = self._reserve
-        seq.committed = reserve.at_admission(request, bucket, prompt_tokens)
         seq.kv_limit = reserve.limit_tokens(request, prompt_tokens)
+        seq.committed = reserve.within(seq.kv_limit, bucket, prompt_tokens)
         seq.grow_at = reserve.next_growth_at(seq.committed, seq.kv_limit, prompt_tokens)
         self._waiting.append(seq)
         self._unfinished[bucket] += 1

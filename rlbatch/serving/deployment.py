@@ -13,7 +13,7 @@ from rlbatch.control.types import SLA, ControlAction, DeploymentInfo
 from rlbatch.engine.base import Engine
 from rlbatch.engine.config import PRECISIONS
 from rlbatch.engine.fork import fork_state
-from rlbatch.engine.reserve import KV_RESERVE_MODES, KvReserveMode
+from rlbatch.engine.reserve import KvReserveMode, check_kv_reserve
 from rlbatch.engine.stats import EngineStats
 from rlbatch.request import Request
 from rlbatch.serving.admission import Admission, AdmissionConfig
@@ -79,12 +79,7 @@ class DeploymentSpec:
             raise ValueError(f"tick_s must be > 0, got {self.tick_s}")
         if self.engine not in ("sim", "vllm"):
             raise ValueError(f"engine must be 'sim' or 'vllm', got {self.engine!r}")
-        if self.kv_reserve not in KV_RESERVE_MODES:
-            raise ValueError(f"kv_reserve must be one of {KV_RESERVE_MODES}, got "
-                             f"{self.kv_reserve!r}")
-        if not 0.0 < self.kv_reserve_quantile <= 1.0:
-            raise ValueError(f"kv_reserve_quantile must be in (0, 1], got "
-                             f"{self.kv_reserve_quantile}")
+        check_kv_reserve(self.kv_reserve, self.kv_reserve_quantile)
 
 
 class Deployment:

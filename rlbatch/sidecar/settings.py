@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 
 from rlbatch.buckets import Buckets
 from rlbatch.control.types import SLA
+from rlbatch.engine.reserve import check_kv_reserve
 
 POOL_ORDER: tuple[str, ...] = ("fp16", "fp8")
 """Known pools in their canonical order (the order a policy artifact lists them in)."""
@@ -241,12 +242,8 @@ class SidecarSettings:
         if self.over_length not in (None, "vllm", "truncate", "reject"):
             raise ValueError(f"over_length must be 'vllm', 'truncate' or 'reject', got "
                              f"{self.over_length!r}")
-        if self.kv_reserve not in ("observed", "declared"):
-            raise ValueError(f"kv_reserve must be 'observed' or 'declared', got "
-                             f"{self.kv_reserve!r}")
-        if not 0.0 < self.kv_reserve_quantile <= 1.0:
-            raise ValueError(f"kv_reserve_quantile must be in (0, 1], got "
-                             f"{self.kv_reserve_quantile}")
+        # no oracle here: a proxy never knows an answer's length before it is generated
+        check_kv_reserve(self.kv_reserve, self.kv_reserve_quantile, ("observed", "declared"))
         if self.tokenizer not in TOKENIZER_MODES and not Path(self.tokenizer).exists():
             raise ValueError(f"tokenizer must be one of {TOKENIZER_MODES} or an existing "
                              f"tokenizer.json / model folder, got {self.tokenizer!r}")

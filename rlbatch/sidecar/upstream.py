@@ -148,9 +148,8 @@ class HttpUpstream:
 
     def kv_tokens_to_admit(self, request: Request, bucket: int, prompt_tokens: int) -> int:
         # max_output_tokens is the limit the request runs under (its max_tokens, fitted).
-        limit = request.max_output_tokens
-        expected = self._reserve.expected_output(bucket)
-        return prompt_tokens + (limit if expected is None else min(limit, expected))
+        return self._reserve.within(prompt_tokens + request.max_output_tokens, bucket,
+                                    prompt_tokens)
 
     @property
     def kv_block_size(self) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlbatch.engine.reserve import KV_RESERVE_MODES, KvReserveMode
+from rlbatch.engine.reserve import KvReserveMode, check_kv_reserve
 
 __all__ = ["TINY_KV_CACHE_BYTES", "TINY_MODEL", "VllmEngineConfig", "kv_cache_dtype_for_pool"]
 
@@ -103,12 +103,7 @@ class VllmEngineConfig:
             raise ValueError(f"block_size must be >= 1 or None, got {self.block_size}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1 or None, got {self.cpu_threads}")
-        if self.kv_reserve not in KV_RESERVE_MODES:
-            raise ValueError(f"kv_reserve must be one of {KV_RESERVE_MODES}, got "
-                             f"{self.kv_reserve!r}")
-        if not 0.0 < self.kv_reserve_quantile <= 1.0:
-            raise ValueError(f"kv_reserve_quantile must be in (0, 1], got "
-                             f"{self.kv_reserve_quantile}")
+        check_kv_reserve(self.kv_reserve, self.kv_reserve_quantile)
 
     @property
     def precision(self) -> str:

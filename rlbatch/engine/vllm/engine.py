@@ -242,8 +242,8 @@ class VllmEngine:
                                                                       prompt_tokens))
         vllm_id = str(self._engine.add_request(ext_id, prompt, params))
         live = _Live(request, bucket, prompt_tokens, truncated, vllm_id)
-        live.committed = self._reserve.at_admission(request, bucket, prompt_tokens)
         live.kv_limit = self._reserve.limit_tokens(request, prompt_tokens)
+        live.committed = self._reserve.within(live.kv_limit, bucket, prompt_tokens)
         self._by_ext[ext_id] = live
         self._by_vllm[vllm_id] = live
         self._unfinished[bucket] += 1
