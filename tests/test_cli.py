@@ -129,3 +129,42 @@ def test_profile_fit_cli_writes_profile(tmp_path: Path,
     assert main(["profile-fit", "--gpu", "a100-80g", str(tmp_path / "missing.csv")]) == 2
     with pytest.raises(ProfileError):
         write_fit(tmp_path / "tiny.csv", fit_gpu_efficiency("a100-80g", [path]))
+
+
+# ---------------------------------------------------------------- start-up: lazy imports
+_LOADED = ("import sys\nfrom rlbatch.commands.main import main\ntry:\n    main({argv!r})\n"
+           "except SystemExit:\n    pass\nprint('MODULES', *sorted(sys.modules))")
+
+
+def _modules_after(argv: list[str]) -> set[str]:
+    """The modules a fresh interpreter holds after ``rlbatch ARGV``."""
+    out = subprocess.run([sys.executable, "-c", _LOADED.format(argv=argv)], check=True,
+                         capture_output=True, text=True).stdout
+    return set(out.rpartition("MODULES")[2].split())
+
+
+def test_help_imports_no_command() -> None:
+    loaded = _modules_after(["--help"])
+    assert "rlbatch.commands.catalog" in loaded
+    heavy = {m for m in loaded if m.split(".")[0] in ("numpy", "scipy", "tqdm", "torch")
+             or m.startswith(("rlbatch.commands.options", "rlbatch.engine", "rlbatch.serving",
+                              "rlbatch.tools"))}
+    assert not heavy, sorted(heavy)
+
+
+def test_a_command_imports_only_what_it_uses() -> None:
+    loaded = _modules_after(["simulate", "--help"])
+    assert "rlbatch.commands.simulate" in loaded and "rlbatch.engine.sim" in loaded
+    others = {"rlbatch.commands.evaluate", "rlbatch.commands.sweep", "rlbatch.commands.fidelity",
+              "rlbatch.commands.calibrate", "rlbatch.engine.vllm.engine",
+              "rlbatch.engine.vllm.launch", "rlbatch.engine.telemetry", "rlbatch.tools.sweep",
+              "rlbatch.tools.calibrate", "rlbatch.sidecar", "scipy", "torch", "ray"}
+    assert not loaded & others, sorted(loaded & others)
+
+
+def test_command_list_is_the_commands_own_help() -> None:
+    """The one-line help ``rlbatch --help`` prints without importing the commands is the one
+    each command registers."""
+    from rlbatch.commands.main import build_parser
+
+    assert build_parser("").format_help() == build_parser().format_help()

@@ -18,7 +18,13 @@ from rlbatch.control.stats_metrics import (
 )
 from rlbatch.control.types import SLA, DeploymentStats
 from rlbatch.engine.stats import FinishedRequest, batch_efficiency
-from rlbatch.serving.metrics import RunTotals, SlidingWindow, summarize
+from rlbatch.serving.metrics import (
+    DeadlineTracker,
+    RunTotals,
+    SlidingWindow,
+    percentile_of_sorted,
+    summarize,
+)
 from tests.factories import (
     BUCKETS,
     deployment_stats,
@@ -159,6 +165,47 @@ def test_sliding_window_percentiles_match_numpy(
         assert got.e2e_p99_all_s == pytest.approx(np.percentile([r.e2e_s for r in live], 99))
     else:
         assert math.isnan(got.ttft_p99_all_s)
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=st.lists(st.one_of(st.floats(0.0, 1e4), st.sampled_from([0.0, 0.5, 2.0])),
+                       min_size=1, max_size=300),
+       q=st.sampled_from([0.0, 1.0, 50.0, 90.0, 95.0, 99.0, 99.9, 100.0]))
+def test_percentile_of_sorted_is_numpy_to_the_bit(values: list[float], q: float) -> None:
+    assert percentile_of_sorted(sorted(values), q) == np.percentile(values, q)
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.lists(st.tuples(st.floats(0.0, 3.0), st.floats(0.0, 0.2), st.integers(0, 2)),
+                     min_size=1, max_size=200))
+def test_sliding_window_equals_numpy_tick_after_tick(
+        rows: list[tuple[float, float, int]]) -> None:
+    """Completions come and go over many ticks: every figure is numpy's on the window."""
+    win = SlidingWindow(BUCKETS, SLA_, 5.0)
+    recs = [record(i, b, ttft=ttft, tpot=tpot, finish=0.25 * (i + 1))
+            for i, (ttft, tpot, b) in enumerate(rows)]
+    for tick in range(1, len(recs) // 4 + 12):
+        now = float(tick)
+        win.add([r for r in recs if now - 1.0 < r.finish_s <= now])
+        got = win.stats(now)
+        live = [r for r in recs if now - 5.0 <= r.finish_s <= now]
+        for b in range(3):
+            mine = [r for r in live if r.bucket == b]
+            if mine:
+                assert got.ttft_p99_s[b] == np.percentile([r.ttft_s for r in mine], 99)
+                assert got.tpot_p99_s[b] == np.percentile([r.tpot_s for r in mine], 99)
+            assert got.completed[b] == len(mine)
+        if live:
+            assert got.tpot_p99_all_s == np.percentile([r.tpot_s for r in live], 99)
+            assert got.e2e_p99_all_s == np.percentile([r.e2e_s for r in live], 99)
+
+
+def test_deadlines_accepted_out_of_arrival_order_are_swept_too() -> None:
+    tracker = DeadlineTracker(3, ttft_s=1.0)
+    tracker.accept([(0, 5.0, 0), (1, 2.0, 1), (2, 6.0, 2)])  # 1 arrived before 0
+    assert tracker.update(3.5, []) == (0, 1, 0)
+    assert tracker.update(7.5, []) == (1, 0, 1)
+    assert tracker.doomed_open == [1, 1, 1]
 
 
 def test_sliding_window_forgets_old_completions() -> None:

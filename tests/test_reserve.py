@@ -59,6 +59,22 @@ def test_observed_history_is_a_sliding_window() -> None:
     assert reserve.expected_output(0) == 10
 
 
+@given(outs=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 500)), max_size=400),
+       quantile=st.sampled_from([0.5, 0.9, 0.99, 1.0]))
+def test_quantile_is_the_one_of_the_sorted_window(outs: list[tuple[int, int]],
+                                                  quantile: float) -> None:
+    """The reserve keeps its windows sorted as completions come and go: each quantile is
+    the one of ``sorted(window)``."""
+    r = OutputReserve("observed", 3, 16, MAX_LEN, window=32, min_samples=4, quantile=quantile)
+    for bucket, out in outs:
+        r.observe(bucket, out)
+        own, pooled = sorted(r._history[bucket]), sorted(r._history[-1])
+        assert r._sorted[bucket] == own and r._sorted[-1] == pooled
+        pick = own if len(own) >= 4 else pooled if len(pooled) >= 4 else None
+        expected = None if pick is None else pick[min(len(pick) - 1, int(quantile * len(pick)))]
+        assert r.expected_output(bucket) == expected
+
+
 @given(prompt=st.integers(1, 300), reserve_out=st.integers(0, 200), cap_out=st.integers(1, 200))
 def test_growth_starts_exactly_where_next_growth_at_says(prompt: int, reserve_out: int,
                                                          cap_out: int) -> None:
@@ -89,7 +105,7 @@ def test_engine_count_grows_as_a_request_outruns_its_reserve() -> None:
         running = list(engine._running)
         engine.step(engine.now_s)  # one iteration at a time (no event skipping)
         if running and not engine.is_idle():
-            out = running[0].num_output
+            out = engine.pending()[0][3]
             expected = max(64, min(512, -(-(32 + 2 * out) // 16) * 16))
             assert engine.committed_tokens() == expected, out
             seen.add(expected)

@@ -120,8 +120,11 @@ def _records_by_id(result_records: list[FinishedRequest]) -> dict[int, tuple[obj
 
 
 # fixed:64 runs behind the guard, so its KV budget reads the observed-output counts that
-# grow as requests run: skipping must keep them exact too.
-@pytest.mark.parametrize("controller", ["static:8", "static:32", "vllm-default", "fixed:64"])
+# grow as requests run: skipping must keep them exact too. The guarded per-bucket caps
+# (fixed:8/8/4/4, playbook, aimd) queue requests in admission, which the deployment lets the
+# engine run past while their queue stays closed (Admission.leaves_running).
+@pytest.mark.parametrize("controller", ["static:8", "static:32", "vllm-default", "fixed:64",
+                                        "fixed:8/8/4/4", "playbook", "aimd"])
 @pytest.mark.parametrize("workload_kind", ["azure", "overflow"])
 def test_event_skipping_equals_stepping(controller: str, workload_kind: str,
                                         azure_trace: Path) -> None:

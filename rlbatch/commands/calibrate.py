@@ -11,6 +11,7 @@ import argparse
 import sys
 from typing import Any
 
+from rlbatch.commands.catalog import HELP
 from rlbatch.commands.options import add_live_engine_options, live_engine_config_from_args
 from rlbatch.profiles.calibrated import save_profile
 from rlbatch.tools.calibrate import (
@@ -28,10 +29,10 @@ def register(sub: Any) -> None:
 
     :param sub: the dispatcher's subparsers.
     """
-    ca = sub.add_parser("calibrate", help="fit the simulator's step-time model to a live vLLM "
-                        "engine", description="Profiling sweep on a live vLLM engine (batch x "
-                        "prompt x output lengths), fit of the simulator's step-time model, "
-                        "written as a profile file (--profile FILE).")
+    ca = sub.add_parser("calibrate", help=HELP["calibrate"],
+                        description="Profiling sweep on a live vLLM engine (batch x prompt x "
+                                    "output lengths), fit of the simulator's step-time model, "
+                                    "written as a profile file (--profile FILE).")
     add_arguments(ca)
     ca.set_defaults(func=run)
 

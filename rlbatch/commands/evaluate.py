@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from rlbatch.commands.argtypes import positive_floats
+from rlbatch.commands.catalog import HELP
 from rlbatch.commands.options import (
     add_deployment_options,
     add_workload_options,
@@ -24,7 +25,7 @@ def register(sub: Any) -> None:
     :param sub: the dispatcher's subparsers.
     """
     ev = sub.add_parser(
-        "evaluate", help="compare controllers on traces at several rate scales",
+        "evaluate", help=HELP["evaluate"],
         description="Run every controller on every trace at every rate scale on the "
                     "simulator; print a table and write one JSON row per run.")
     ev.add_argument("--trace", nargs="+", required=True,

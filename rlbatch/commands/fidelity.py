@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rlbatch.commands.argtypes import parse_window
+from rlbatch.commands.catalog import HELP
 from rlbatch.commands.options import add_live_engine_options, live_engine_config_from_args
 from rlbatch.engine.vllm import kv_cache_dtype_for_pool, start_vllm_engine
 from rlbatch.profiles.calibrated import load_profile, save_profile
@@ -38,10 +39,10 @@ def register(sub: Any) -> None:
 
     :param sub: the dispatcher's subparsers.
     """
-    fi = sub.add_parser("fidelity", help="replay workloads on the live engine and the "
-                        "calibrated simulator", description="Per-request TTFT/e2e error, "
-                        "throughput error and preemptions of the simulator against a live "
-                        "vLLM engine on the same workloads.")
+    fi = sub.add_parser("fidelity", help=HELP["fidelity"],
+                        description="Per-request TTFT/e2e error, throughput error and "
+                                    "preemptions of the simulator against a live vLLM engine "
+                                    "on the same workloads.")
     add_arguments(fi)
     fi.set_defaults(func=run)
 

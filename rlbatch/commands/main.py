@@ -9,7 +9,9 @@ The contract (DESIGN.md) other tools rely on:
 * ``profile-fit``, ``calibrate``, ``fidelity``, ``sweep``: see each command's ``--help``.
 
 Each command is one module of :mod:`rlbatch.commands` with ``register(subparsers)``; the
-options they share come from :mod:`rlbatch.commands.options`.
+options they share come from :mod:`rlbatch.commands.options`. A command's module is imported
+only when that command runs (the list and its one-line help come from
+:mod:`rlbatch.commands.catalog`), so ``rlbatch --help`` imports none of them.
 """
 
 from __future__ import annotations
@@ -17,30 +19,56 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
-from rlbatch.commands import (
-    calibrate,
-    evaluate,
-    fidelity,
-    profile_check,
-    profile_fit,
-    simulate,
-    sweep,
-)
-
-COMMANDS = (evaluate, simulate, profile_check, profile_fit, calibrate, fidelity, sweep)
+from rlbatch.commands.catalog import HELP
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``rlbatch`` parser with every command."""
+def _register(name: str, sub: Any) -> None:
+    """Import the command ``name`` and add its full parser (imports spelled out, so that the
+    layer contracts see them)."""
+    if name == "evaluate":
+        from rlbatch.commands import evaluate
+        evaluate.register(sub)
+    elif name == "simulate":
+        from rlbatch.commands import simulate
+        simulate.register(sub)
+    elif name == "profile-check":
+        from rlbatch.commands import profile_check
+        profile_check.register(sub)
+    elif name == "profile-fit":
+        from rlbatch.commands import profile_fit
+        profile_fit.register(sub)
+    elif name == "calibrate":
+        from rlbatch.commands import calibrate
+        calibrate.register(sub)
+    elif name == "fidelity":
+        from rlbatch.commands import fidelity
+        fidelity.register(sub)
+    elif name == "sweep":
+        from rlbatch.commands import sweep
+        sweep.register(sub)
+    else:
+        raise KeyError(name)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``rlbatch`` parser.
+
+    :param command: register only this command in full (the others as their one-line
+        entries, enough for the command list and its errors); ``None``: every command.
+    """
     parser = argparse.ArgumentParser(
         prog="rlbatch",
         description="rlbatch: batch-size control for LLM serving on vLLM. Simulate and "
                     "evaluate controllers on real traces, sweep, calibrate and check the "
                     "simulator against a live engine.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in COMMANDS:
-        command.register(sub)
+    for name, help_text in HELP.items():
+        if command is None or name == command:
+            _register(name, sub)
+        else:
+            sub.add_parser(name, help=help_text, add_help=False)
     return parser
 
 
@@ -49,8 +77,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     :param argv: arguments (default ``sys.argv[1:]``).
     """
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    # The command is the first word that is not an option (the top level has -h only).
+    named = next((a for a in args_list if not a.startswith("-")), "")
+    parser = build_parser(named if named in HELP else "")
+    args = parser.parse_args(args_list)
     try:
         rc: int = args.func(args)
     except (ValueError, FileNotFoundError) as exc:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rlbatch.commands.catalog import HELP
 from rlbatch.commands.options import GPU_HELP
 from rlbatch.profiles.check import profile_check
 from rlbatch.profiles.specs import ProfileError
@@ -19,7 +20,7 @@ def register(sub: Any) -> None:
 
     :param sub: the dispatcher's subparsers.
     """
-    pc = sub.add_parser("profile-check", help="step-time model vs measured layer timings",
+    pc = sub.add_parser("profile-check", help=HELP["profile-check"],
                         description="Predict the per-layer time of the linear ops for every "
                                     "row of vidur-format profiling CSVs and report the error.")
     add_arguments(pc)

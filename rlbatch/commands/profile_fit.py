@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rlbatch.commands.catalog import HELP
 from rlbatch.commands.options import GPU_HELP
 from rlbatch.profiles.fit import fit_gpu_efficiency, write_fit
 from rlbatch.profiles.specs import ProfileError
@@ -17,7 +18,7 @@ def register(sub: Any) -> None:
 
     :param sub: the dispatcher's subparsers.
     """
-    pf = sub.add_parser("profile-fit", help="fit a GPU profile to measured layer timings",
+    pf = sub.add_parser("profile-fit", help=HELP["profile-fit"],
                         description="Fit a GPU's efficiency factors (roofline) to vidur "
                                     "per-layer timing CSVs; optionally write them into a GPU "
                                     "profile JSON.")

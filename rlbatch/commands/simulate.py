@@ -9,6 +9,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from rlbatch.commands.catalog import HELP
 from rlbatch.commands.options import (
     add_deployment_options,
     add_workload_options,
@@ -24,7 +25,7 @@ def register(sub: Any) -> None:
 
     :param sub: the dispatcher's subparsers.
     """
-    si = sub.add_parser("simulate", help="one controller on one trace",
+    si = sub.add_parser("simulate", help=HELP["simulate"],
                         description="Simulate one run and print its row and per-bucket "
                                     "figures.")
     si.add_argument("--trace", required=True, help="trace file or generator spec")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rlbatch.commands.argtypes import checked
+from rlbatch.commands.catalog import HELP
 from rlbatch.commands.options import add_gpu_model_options
 from rlbatch.engine.config import parse_pools
 from rlbatch.scale.cluster import add_ray_option
@@ -53,7 +54,7 @@ def register(sub: Any) -> None:
 
     :param sub: the dispatcher's subparsers.
     """
-    sw = sub.add_parser("sweep", help="throughput-latency sweep over batch x sequence length",
+    sw = sub.add_parser("sweep", help=HELP["sweep"],
                         description="The tuning guide's benchmark checklist: tokens/s, latency "
                                     "percentiles, KV peak and memory breakdown per (batch, "
                                     "seq_len), plots, and the guide's configurations checked.")

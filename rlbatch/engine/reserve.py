@@ -23,6 +23,7 @@ in every row.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from typing import Literal
 
@@ -88,10 +89,12 @@ class OutputReserve:
         self.max_model_len = max_model_len
         self.quantile = quantile
         self.min_samples = min_samples
-        # one history per bucket, and the last one pooled over all buckets
+        # one history per bucket, and the last one pooled over all buckets; each also kept
+        # sorted as completions come and go, so a quantile is one index
         self._history: list[deque[int]] = [deque(maxlen=window)
                                            for _ in range(num_buckets + 1)]
-        # Quantiles are re-sorted only after new completions (a cache per history).
+        self._sorted: list[list[int]] = [[] for _ in range(num_buckets + 1)]
+        # Quantiles are re-read only after new completions (a cache per history).
         self._cached: list[int | None] = [None] * (num_buckets + 1)
 
     def fork(self) -> OutputReserve:
@@ -99,15 +102,21 @@ class OutputReserve:
         new = object.__new__(OutputReserve)
         new.__dict__.update(self.__dict__)
         new._history = [deque(h, maxlen=h.maxlen) for h in self._history]
+        new._sorted = [list(s) for s in self._sorted]
         new._cached = list(self._cached)
         return new
 
     def observe(self, bucket: int, output_tokens: int) -> None:
         """A request of ``bucket`` finished after ``output_tokens`` tokens."""
         if self.mode == "observed":
-            self._history[bucket].append(output_tokens)
-            self._history[-1].append(output_tokens)
-            self._cached[bucket] = self._cached[-1] = None
+            for index in (bucket, -1):
+                history = self._history[index]
+                ordered = self._sorted[index]
+                if len(history) == history.maxlen:
+                    del ordered[bisect.bisect_left(ordered, history[0])]
+                history.append(output_tokens)
+                bisect.insort(ordered, output_tokens)
+                self._cached[index] = None
 
     def expected_output(self, bucket: int) -> int | None:
         """The output tokens reserved at admission for ``bucket``: its own quantile, else
@@ -116,9 +125,8 @@ class OutputReserve:
             cached = self._cached[index]
             if cached is not None:
                 return cached
-            history = self._history[index]
-            if len(history) >= self.min_samples:
-                ordered = sorted(history)
+            ordered = self._sorted[index]
+            if len(ordered) >= self.min_samples:
                 value = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
                 self._cached[index] = value
                 return value
@@ -131,7 +139,10 @@ class OutputReserve:
         else:
             tokens = prompt_tokens + declared_output_limit(request, prompt_tokens,
                                                            self.max_model_len)
-        return round_to_blocks(min(tokens, self.max_model_len), self.block_size)
+        if tokens > self.max_model_len:
+            tokens = self.max_model_len
+        block = self.block_size
+        return -(-tokens // block) * block  # round_to_blocks, inline (once per request)
 
     def at_admission(self, request: Request, bucket: int, prompt_tokens: int) -> int:
         """KV the request is counted at when it enters the engine, whole blocks."""
@@ -148,7 +159,9 @@ class OutputReserve:
         expected = self.expected_output(bucket) if self.mode == "observed" else None
         if expected is None:
             return limit
-        return min(limit, round_to_blocks(prompt_tokens + expected, self.block_size))
+        block = self.block_size
+        tokens = -(-(prompt_tokens + expected) // block) * block  # round_to_blocks
+        return tokens if tokens < limit else limit
 
     def grown(self, reserved: int, limit: int, prompt_tokens: int, num_output: int) -> int:
         """The count of a running request that generated ``num_output`` tokens: its
@@ -160,7 +173,8 @@ class OutputReserve:
         :param prompt_tokens: its prompt.
         :param num_output: tokens generated so far.
         """
-        need = round_to_blocks(prompt_tokens + 2 * num_output, self.block_size)
+        block = self.block_size
+        need = -(-(prompt_tokens + 2 * num_output) // block) * block  # round_to_blocks
         if need <= reserved:
             return reserved
         return need if need < limit else limit

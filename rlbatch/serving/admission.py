@@ -134,6 +134,10 @@ class Admission:
         self.arrived_in_tick = [0] * n
         self.rejected_in_tick = [0] * n
         self.cancelled_in_tick = [0] * n
+        self._admitted: dict[tuple[int, int], Admitted] = {}
+        self.budget_blocked = False
+        """The last :meth:`admit` stopped at a request the KV budget held back (not because
+        nothing was eligible)."""
         self.accepted: list[tuple[int, float, int]] | None = None
         """``(request_id, arrival_s, bucket)`` of every request queued or handed to an
         engine since the previous :meth:`take_accepted`, while a list (the control loop's
@@ -201,7 +205,11 @@ class Admission:
             engine.add_request(request, bucket, prompt, truncated)
             if self.accepted is not None:
                 self.accepted.append((request.request_id, request.arrival_s, bucket))
-            return Admitted(bucket, engine.engine_id)
+            key = (bucket, engine.engine_id)
+            outcome = self._admitted.get(key)
+            if outcome is None:  # immutable: one per (bucket, engine) is enough
+                outcome = self._admitted[key] = Admitted(bucket, engine.engine_id)
+            return outcome
         queue = self.queues[bucket]
         if bound is not None and len(queue) >= bound:
             return self._reject(request, bucket, "queue_full")
@@ -247,6 +255,9 @@ class Admission:
         """
         admitted = 0
         queues = self.queues
+        if not any(queues):
+            self.budget_blocked = False
+            return 0
         caps = self.caps
         routes = self.routes
         pool = engine.pool
@@ -265,17 +276,42 @@ class Admission:
                 if best < 0 or arrival < best_arrival:
                     best, best_arrival = b, arrival
             if best < 0:
+                self.budget_blocked = False
                 return admitted
             request, prompt, truncated = queues[best][0]
             if budget is not None:
                 committed = engine.committed_tokens()
                 need = engine.kv_tokens_to_admit(request, best, prompt)
                 if committed > 0 and committed + need > budget:
-                    self.budget_blocked_in_tick = True
+                    self.budget_blocked_in_tick = self.budget_blocked = True
                     return admitted
             queues[best].popleft()
             engine.add_request(request, best, prompt, truncated)
             admitted += 1
+
+    def leaves_running(self, request: Request, engine: Engine, engine_holds: bool) -> bool:
+        """Whether ``request``, submitted at any iteration boundary from now on while the
+        deployment is this one engine, nothing in it finishes, and (``engine_holds``) it admits
+        no new request from its waiting queue, changes no engine's running requests: it is
+        refused, joins that waiting queue, or waits in a queue that stays closed (its bucket
+        at its cap, or the oldest eligible request held back by the KV budget, which only
+        grows while requests run). Such arrivals can be submitted later in the same tick, in
+        order, with the same result (:meth:`~rlbatch.serving.deployment.Deployment.run_until`).
+
+        :param request: a future arrival.
+        :param engine: the deployment's one engine, after :meth:`admit` at this boundary.
+        :param engine_holds: the engine admits no new request while nothing finishes.
+        """
+        prompt = request.prompt_tokens
+        if prompt + request.max_output_tokens > self.max_model_len and (
+                self.config.over_length == "reject"
+                or self.max_model_len - request.max_output_tokens < 1):
+            return True  # refused whenever it comes
+        bucket = self.buckets.index(prompt)
+        cap = self.caps[bucket]
+        if cap is None:
+            return engine_holds
+        return self.budget_blocked or engine.num_unfinished(bucket) >= cap
 
     def admit_pool(self, pool: str, exclude: Collection[int] = ()) -> int:
         """Admit into every engine of ``pool``, least loaded first.
@@ -305,18 +341,22 @@ class Admission:
 
     def queued(self) -> tuple[int, ...]:
         """Per bucket, requests in the admission queue."""
-        return tuple(len(q) for q in self.queues)
+        if not any(self.queues):
+            return (0,) * len(self.queues)
+        return tuple([len(q) for q in self.queues])
 
     def oldest_wait_s(self, now_s: float) -> tuple[float, ...]:
         """Per bucket, how long the head of the queue has waited at ``now_s``.
 
         :param now_s: the time.
         """
-        return tuple(max(0.0, now_s - q[0][0].arrival_s) if q else 0.0 for q in self.queues)
+        if not any(self.queues):
+            return (0.0,) * len(self.queues)
+        return tuple([max(0.0, now_s - q[0][0].arrival_s) if q else 0.0 for q in self.queues])
 
     def num_queued(self) -> int:
         """Requests in all admission queues."""
-        return sum(len(q) for q in self.queues)
+        return sum([len(q) for q in self.queues])
 
     def take_rejected(self) -> list[FinishedRequest]:
         """The refusal records since the previous call (then forgotten)."""

@@ -18,21 +18,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rlbatch.engine.base import Engine
 from rlbatch.engine.config import EngineConfig, Precision, vllm_default_budgets
 from rlbatch.engine.reserve import KvReserveMode
 from rlbatch.engine.sim import SimEngine
-from rlbatch.engine.vllm import (
-    TINY_KV_CACHE_BYTES,
-    TINY_MODEL,
-    VllmEngine,
-    VllmEngineConfig,
-    start_vllm_pools,
-)
+from rlbatch.engine.vllm.config import TINY_KV_CACHE_BYTES, TINY_MODEL, VllmEngineConfig
 from rlbatch.profiles import RooflineStepTimeModel, load_gpu, load_model
 from rlbatch.profiles.calibrated import CalibratedProfile, load_profile
 from rlbatch.serving.deployment import Deployment, DeploymentSpec, assemble_deployment
+
+if TYPE_CHECKING:
+    from rlbatch.engine.vllm.engine import VllmEngine
 
 __all__ = [
     "build_deployment",
@@ -256,6 +254,8 @@ def build_live_deployment(spec: DeploymentSpec, config: VllmEngineConfig | None 
     :returns: the deployment; ``Deployment.close()`` closes its engines.
     :raises ValueError: reused engines that do not match the spec.
     """
+    from rlbatch.engine.vllm.launch import start_vllm_pools  # numpy, telemetry: live only
+
     config = config or live_config_from_spec(spec)
     pools = dict(spec.pools)
     if engines is None:

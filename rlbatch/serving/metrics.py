@@ -1,10 +1,14 @@
 """Request-level metrics: sliding-window percentiles for control, and run summaries.
 
-Percentiles come from numpy (linear interpolation, numpy's default), never hand-rolled.
+Percentiles follow numpy's default (linear interpolation). Run summaries call numpy; the
+sliding window, read at every control tick, keeps its values sorted as they come and go and
+reads the percentile off them with numpy's own float operations
+(:func:`percentile_of_sorted`: the same bits as ``np.percentile``, checked by the tests).
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections import deque
@@ -26,11 +30,65 @@ def percentile(values: Sequence[float] | np.ndarray, q: float) -> float:
     return float(np.percentile(np.asarray(values, dtype=np.float64), q))
 
 
+def percentile_of_sorted(ordered: Sequence[float], q: float) -> float:
+    """``np.percentile(ordered, q)`` (method ``linear``) of an ascending, NaN-free sequence,
+    computed with numpy's float operations in numpy's order (virtual index ``(n-1) * q/100``,
+    then its ``_lerp``), so that both give the same bits; NaN when empty.
+
+    :param ordered: the values, sorted ascending, no NaN.
+    :param q: the percentile, 0-100.
+    """
+    n = len(ordered)
+    if n == 0:
+        return math.nan
+    virtual = (n - 1) * (q / 100.0)
+    if virtual >= n - 1:
+        # numpy takes the last value on both sides, with gamma = virtual - (-1)
+        below = above = ordered[-1]
+        gamma = virtual + 1.0
+    else:
+        index = math.floor(virtual)
+        below, above = ordered[index], ordered[index + 1]
+        gamma = virtual - index
+    diff = above - below
+    if gamma >= 0.5:
+        return above - diff * (1.0 - gamma)
+    return below + diff * gamma
+
+
+class _SortedValues:
+    """A multiset of floats kept sorted (insert and remove by value), NaNs counted apart."""
+
+    __slots__ = ("nans", "values")
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+        self.nans = 0
+
+    def add(self, value: float) -> None:
+        if value != value:
+            self.nans += 1
+        else:
+            bisect.insort(self.values, value)
+
+    def remove(self, value: float) -> None:
+        if value != value:
+            self.nans -= 1
+        else:
+            del self.values[bisect.bisect_left(self.values, value)]
+
+    def percentile(self, q: float) -> float:
+        """numpy's percentile of the values (NaN when any value is NaN, as numpy)."""
+        return math.nan if self.nans else percentile_of_sorted(self.values, q)
+
+
 class SlidingWindow:
     """Completions of the last ``window_s`` seconds, for the controller's P99 signals.
 
-    Per-bucket percentiles are recomputed only for buckets whose window content changed
-    since the previous call (the expensive part is numpy's call overhead, not the data).
+    Completions leave the window in arrival order (the oldest first while older than the
+    horizon); each bucket's TTFT and TPOT and all buckets' TTFT, TPOT and e2e are kept sorted
+    as they enter and leave, and percentiles are recomputed only for buckets whose window
+    content changed since the previous call.
 
     :param buckets: bucket definitions.
     :param sla: SLA used to count requests meeting it.
@@ -47,54 +105,90 @@ class SlidingWindow:
         # per bucket: (finish_s, ttft_s, tpot_s, e2e_s, met_sla)
         self._items: list[deque[tuple[float, float, float, float, bool]]] = [
             deque() for _ in range(n)]
+        # sorted values: per bucket (ttft, tpot); all buckets (ttft, tpot, e2e)
+        self._sorted = [(_SortedValues(), _SortedValues()) for _ in range(n)]
+        self._sorted_all = (_SortedValues(), _SortedValues(), _SortedValues())
+        self._met = [0] * n
         self._dirty = [True] * n
-        self._cache: list[tuple[float, float, int, int]] = [(math.nan, math.nan, 0, 0)] * n
-        self._all_cache: tuple[float, float, float] = (math.nan, math.nan, math.nan)
+        # per bucket, as of the last stats(): TTFT P99, TPOT P99, completions, SLA met
+        self._ttft_p99 = [math.nan] * n
+        self._tpot_p99 = [math.nan] * n
+        self._completed = [0] * n
+        self._last: WindowStats | None = None
 
     def add(self, records: Iterable[FinishedRequest]) -> None:
+        every = self._sorted_all
+        every_ttft, every_tpot, every_e2e = (v.values for v in every)
+        insort = bisect.insort
         for rec in records:
             if rec.rejected:
                 continue
-            self._items[rec.bucket].append((rec.finish_s, rec.ttft_s, rec.tpot_s, rec.e2e_s,
-                                            meets_sla(rec, self.sla)))
-            self._dirty[rec.bucket] = True
+            bucket = rec.bucket
+            met = meets_sla(rec, self.sla)
+            t1, t2, t3 = rec.ttft_s, rec.tpot_s, rec.e2e_s
+            self._items[bucket].append((rec.finish_s, t1, t2, t3, met))
+            ttft, tpot = self._sorted[bucket]
+            if t1 == t1 and t2 == t2 and t3 == t3:  # no NaN: straight into the lists
+                insort(ttft.values, t1)
+                insort(tpot.values, t2)
+                insort(every_ttft, t1)
+                insort(every_tpot, t2)
+                insort(every_e2e, t3)
+            else:
+                for values, value in ((ttft, t1), (tpot, t2), (every[0], t1),
+                                      (every[1], t2), (every[2], t3)):
+                    values.add(value)
+            self._met[bucket] += met
+            self._dirty[bucket] = True
 
     def stats(self, now_s: float) -> WindowStats:
         horizon = now_s - self.window_s
         any_dirty = False
+        every_ttft, every_tpot, every_e2e = self._sorted_all
+        all_ttft, all_tpot, all_e2e = every_ttft.values, every_tpot.values, every_e2e.values
+        bisect_left = bisect.bisect_left
         for b, items in enumerate(self._items):
-            while items and items[0][0] < horizon:
-                items.popleft()
+            if items and items[0][0] < horizon:
+                ttft, tpot = self._sorted[b]
+                ttft_v, tpot_v = ttft.values, tpot.values
+                while items and items[0][0] < horizon:
+                    _, t1, t2, t3, met = items.popleft()
+                    if t1 == t1 and t2 == t2 and t3 == t3:  # no NaN: straight from the lists
+                        del ttft_v[bisect_left(ttft_v, t1)]
+                        del tpot_v[bisect_left(tpot_v, t2)]
+                        del all_ttft[bisect_left(all_ttft, t1)]
+                        del all_tpot[bisect_left(all_tpot, t2)]
+                        del all_e2e[bisect_left(all_e2e, t3)]
+                    else:
+                        for sv, value in ((ttft, t1), (tpot, t2), (every_ttft, t1),
+                                          (every_tpot, t2), (every_e2e, t3)):
+                            sv.remove(value)
+                    self._met[b] -= met
                 self._dirty[b] = True
             if not self._dirty[b]:
                 continue
             any_dirty = True
             self._dirty[b] = False
+            self._completed[b] = len(items)
             if not items:
-                self._cache[b] = (math.nan, math.nan, 0, 0)
+                self._ttft_p99[b] = self._tpot_p99[b] = math.nan
                 continue
-            rows = np.array(items, dtype=np.float64)
-            ttft, tpot = np.percentile(rows[:, 1:3], 99, axis=0).tolist()
-            self._cache[b] = (ttft, tpot, len(rows), int(rows[:, 4].sum()))
-        if any_dirty:
-            every = [row for items in self._items for row in items]
-            if every:
-                ttft, tpot, e2e = np.percentile(np.array(every, dtype=np.float64)[:, 1:4], 99,
-                                                axis=0).tolist()
-                self._all_cache = (ttft, tpot, e2e)
-            else:
-                self._all_cache = (math.nan, math.nan, math.nan)
-        cache = self._cache
-        return WindowStats(
+            ttft, tpot = self._sorted[b]
+            self._ttft_p99[b] = ttft.percentile(99)
+            self._tpot_p99[b] = tpot.percentile(99)
+        if not any_dirty and self._last is not None:
+            return self._last  # nothing entered or left: the same (immutable) figures
+        self._last = WindowStats(
             window_s=self.window_s,
-            ttft_p99_s=tuple(c[0] for c in cache),
-            tpot_p99_s=tuple(c[1] for c in cache),
-            ttft_p99_all_s=self._all_cache[0],
-            tpot_p99_all_s=self._all_cache[1],
-            e2e_p99_all_s=self._all_cache[2],
-            completed=tuple(c[2] for c in cache),
-            sla_met=tuple(c[3] for c in cache),
+            ttft_p99_s=tuple(self._ttft_p99),
+            tpot_p99_s=tuple(self._tpot_p99),
+            ttft_p99_all_s=every_ttft.percentile(99),
+            tpot_p99_all_s=every_tpot.percentile(99),
+            e2e_p99_all_s=every_e2e.percentile(99),
+            completed=tuple(self._completed),
+            sla_met=tuple(self._met),
         )
+        return self._last
 
 
 @dataclass
@@ -149,7 +243,7 @@ class RunTotals:
         self.kv_cache_usage_peak = max(self.kv_cache_usage_peak, stats.kv_cache_usage_peak)
         if stats.finished:
             self.finished += len(stats.finished)
-            self.output_tokens += sum(r.output_tokens for r in stats.finished)
+            self.output_tokens += sum([r.output_tokens for r in stats.finished])
         self.max_running = max(self.max_running, stats.running_total)
         self.gpu_memory_used_peak_bytes = max(self.gpu_memory_used_peak_bytes,
                                               stats.gpu_memory_used_bytes)
@@ -203,13 +297,16 @@ def summarize(
     per_bucket: dict[str, dict[str, Any]] = {}
     bucket_idx = np.array([r.bucket for r in done], dtype=np.int64)
     submitted_b = [0] * len(buckets)
+    rejected_b = [0] * len(buckets)
     for r in records:
         submitted_b[r.bucket] += 1
+        if r.rejected:
+            rejected_b[r.bucket] += 1
     for b, name in enumerate(buckets.names):
         mask = bucket_idx == b
         n_done = int(mask.sum())
         n_met = int(met[mask].sum()) if n_done else 0
-        n_rej = sum(1 for r in records if r.rejected and r.bucket == b)
+        n_rej = rejected_b[b]
         per_bucket[name] = {
             "completed": n_done,
             "rejected": n_rej,
@@ -265,6 +362,9 @@ class DeadlineTracker:
 
     def __init__(self, num_buckets: int, ttft_s: float) -> None:
         self.ttft_s = ttft_s
+        # deadlines to sweep: in arrival order as accepted (a replay accepts in arrival
+        # order), and a heap for any request accepted out of that order
+        self._in_order: deque[tuple[float, int]] = deque()
         self._heap: list[tuple[float, int]] = []
         # request id -> [bucket, arrival_s, state]; removed when the request finishes
         self._open: dict[int, list[Any]] = {}
@@ -278,9 +378,13 @@ class DeadlineTracker:
 
         :param entries: ``(request_id, arrival_s, bucket)`` each.
         """
+        in_order = self._in_order
         for rid, arrival, bucket in entries:
             self._open[rid] = [bucket, arrival, _PENDING]
-            heapq.heappush(self._heap, (arrival, rid))
+            if not in_order or in_order[-1][0] <= arrival:
+                in_order.append((arrival, rid))
+            else:
+                heapq.heappush(self._heap, (arrival, rid))
             self.open_count[bucket] += 1
 
     def update(self, now_s: float, engine_stats: Iterable[EngineStats]) -> tuple[int, ...]:
@@ -312,6 +416,11 @@ class DeadlineTracker:
                     self.doomed_open[bucket] -= 1
                 elif entry[2] == _PENDING and not rec.ttft_s <= ttft:
                     doomed[bucket] += 1  # finished late before any sweep saw it
+        in_order = self._in_order
+        while in_order and now_s - in_order[0][0] > ttft:
+            entry = opened.get(in_order.popleft()[1])
+            if entry is not None and entry[2] == _PENDING:
+                self._doom(entry, doomed)
         heap = self._heap
         while heap and now_s - heap[0][0] > ttft:
             _, rid = heapq.heappop(heap)

@@ -4,7 +4,15 @@
 iteration holds), ``engine`` (:class:`VllmEngine`, the ``Engine`` adapter) and ``launch``
 (:func:`start_vllm_engine`, :func:`start_vllm_pools`). A deployment over live engines is built
 by :func:`rlbatch.serving.builders.build_deployment`.
+
+The settings and the clock load with the package; the adapter and the launcher (numpy, the
+tiny model's builder, GPU telemetry) load on first use of their names, so that a command that
+only reads live-engine options does not pay for them.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from rlbatch.engine.vllm.clock import LiveClock
 from rlbatch.engine.vllm.config import (
@@ -13,9 +21,11 @@ from rlbatch.engine.vllm.config import (
     VllmEngineConfig,
     kv_cache_dtype_for_pool,
 )
-from rlbatch.engine.vllm.engine import VllmEngine
-from rlbatch.engine.vllm.launch import running_engines, start_vllm_engine, start_vllm_pools
-from rlbatch.engine.vllm.probe import IterationRecord
+
+if TYPE_CHECKING:
+    from rlbatch.engine.vllm.engine import VllmEngine
+    from rlbatch.engine.vllm.launch import running_engines, start_vllm_engine, start_vllm_pools
+    from rlbatch.engine.vllm.probe import IterationRecord
 
 __all__ = [
     "TINY_KV_CACHE_BYTES",
@@ -29,3 +39,17 @@ __all__ = [
     "start_vllm_engine",
     "start_vllm_pools",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The adapter, launcher and probe names, imported on first use (PEP 562)."""
+    if name == "VllmEngine":
+        from rlbatch.engine.vllm.engine import VllmEngine
+        return VllmEngine
+    if name in ("running_engines", "start_vllm_engine", "start_vllm_pools"):
+        from rlbatch.engine.vllm import launch
+        return getattr(launch, name)
+    if name == "IterationRecord":
+        from rlbatch.engine.vllm.probe import IterationRecord
+        return IterationRecord
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,244 @@
+"""The simulated engine's scheduler, request by request: vLLM V1's ``schedule()``.
+
+:class:`ExactScheduler` holds a simulated engine's requests, KV blocks, clock and interval
+counters, and runs one iteration the way vLLM V1 does (``v1/core/sched/scheduler.py``, FCFS;
+the rules are listed in :mod:`rlbatch.engine.sim`): every running request in order, then
+admissions from the waiting queue, within the token budget, preempting the newest running
+request when a block allocation fails. This is the reference every faster path is held to
+(:class:`~rlbatch.engine.sim_scheduler.SimScheduler` adds those, bit-identical).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from rlbatch.engine.config import EngineConfig
+from rlbatch.engine.reserve import OutputReserve
+from rlbatch.engine.sim_seq import SimSeq
+from rlbatch.engine.stats import FinishedRequest
+from rlbatch.profiles import StepTimeModel
+
+
+class ExactScheduler:
+    """Requests, KV blocks and clock of one simulated engine; one iteration at a time.
+
+    :param pool: pool name (``fp16`` / ``fp8``), for the finished records.
+    :param config: scheduler and cache settings.
+    :param step_model: step-time model for this engine's GPU, model and precision.
+    :param num_kv_blocks: KV blocks in the pool.
+    :param num_buckets: number of prompt-length buckets.
+    :param max_model_len: longest sequence (the KV reserve's ceiling).
+    :param event_skipping: whether the faster paths of a subclass may run (kept here so the
+        engine's settings live in one place).
+    :param start_s: initial clock.
+    """
+
+    # interval counters, reset by every snapshot (see _reset_interval)
+    _interval_start: float
+    _busy_s: float
+    _iterations: int
+    _prefill_tokens: int
+    _decode_tokens: int
+    _preemptions: int
+    _recomputed_tokens: int
+    _kv_overflows: int
+    _peak_used_blocks: int
+    _finished: list[FinishedRequest]
+    _first_tokens: list[tuple[int, float]]
+
+    def __init__(self, pool: str, config: EngineConfig, step_model: StepTimeModel,
+                 num_kv_blocks: int, num_buckets: int, max_model_len: int, *,
+                 event_skipping: bool, start_s: float) -> None:
+        self.pool = pool
+        self.config = config
+        self.step_model = step_model
+        self.num_kv_blocks = num_kv_blocks
+        self.event_skipping = event_skipping
+        self._block_size = config.block_size
+        self._budget = config.max_num_batched_tokens
+        self._max_num_seqs = config.max_num_seqs
+        self._now = start_s
+        self._last_start = start_s
+        self._free_blocks = num_kv_blocks
+        self._running: list[SimSeq] = []
+        self._waiting: deque[SimSeq] = deque()
+        self._order = 0  # running-order keys, taken as requests enter the running list
+        self._unfinished = [0] * num_buckets
+        self._in_running = [0] * num_buckets  # per bucket, requests in the running list
+        self._committed_tokens = 0
+        self._reserve = OutputReserve(config.kv_reserve, num_buckets, config.block_size,
+                                      max_model_len, quantile=config.kv_reserve_quantile)
+        self._decode_coeffs: dict[int, tuple[float, float]] = {}
+
+    def _admission_blocked(self) -> bool:
+        """No waiting request can be admitted at the next iteration, nor at any pure-decode
+        iteration after it (the running count stays, free blocks only shrink)."""
+        waiting = self._waiting
+        if not waiting:
+            return True
+        n = len(self._running)
+        budget = self._budget - n
+        if n >= self._max_num_seqs or budget <= 0:
+            return True
+        seq = waiting[0]
+        remaining = seq.prompt_len + seq.num_output - seq.num_computed
+        chunk = remaining if remaining < budget else budget
+        need = -(-(seq.num_computed + chunk) // self._block_size) - seq.blocks
+        return need > self._free_blocks
+
+    # ----------------------------------------------------------------- request by request
+    def _iterate_exact(self) -> None:
+        """One iteration, request by request (vLLM V1's ``schedule()`` order)."""
+        running = self._running
+        waiting = self._waiting
+        block = self._block_size
+        budget = self._budget
+        free = self._free_blocks
+        sched: list[tuple[SimSeq, int]] = []
+        prefill_tokens = 0
+        attn_work = 0.0
+        num_decode = 0
+        kv_decode = 0
+        preempted = False
+
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            remaining = seq.prompt_len + seq.num_output - seq.num_computed
+            n = remaining if remaining < budget else budget
+            need = -(-(seq.num_computed + n) // block) - seq.blocks
+            if need > free:
+                self._kv_overflows += 1
+                self_preempted = False
+                while need > free:
+                    victim = running.pop()
+                    self._in_running[victim.bucket] -= 1
+                    free += victim.blocks
+                    self._recomputed_tokens += victim.num_computed
+                    victim.blocks = 0
+                    victim.num_computed = 0
+                    victim.preemptions += 1
+                    waiting.appendleft(victim)
+                    self._preemptions += 1
+                    preempted = True
+                    if victim is seq:
+                        self_preempted = True
+                        break
+                if self_preempted:
+                    break
+            if need > 0:
+                free -= need
+                seq.blocks += need
+            sched.append((seq, n))
+            if remaining == 1 and seq.num_computed > 0:
+                num_decode += 1
+                kv_decode += seq.num_computed + 1
+            else:
+                prefill_tokens += n
+                attn_work += n * (seq.num_computed + (n + 1) / 2)
+            budget -= n
+            i += 1
+
+        if not preempted:
+            while waiting and budget > 0 and len(running) < self._max_num_seqs:
+                seq = waiting[0]
+                remaining = seq.prompt_len + seq.num_output - seq.num_computed
+                n = remaining if remaining < budget else budget
+                need = -(-(seq.num_computed + n) // block) - seq.blocks
+                if need > free:
+                    break
+                waiting.popleft()
+                free -= need
+                seq.blocks += need
+                seq.order = self._order
+                self._order += 1
+                running.append(seq)
+                self._in_running[seq.bucket] += 1
+                sched.append((seq, n))
+                prefill_tokens += n
+                attn_work += n * (seq.num_computed + (n + 1) / 2)
+                budget -= n
+
+        self._free_blocks = free
+        if not sched:
+            # Everything was preempted; the next iteration re-admits from the waiting queue.
+            return
+        now = self._advance(prefill_tokens, attn_work, num_decode, kv_decode)
+        for seq, n in sched:
+            seq.num_computed += n
+            if seq.num_computed == seq.prompt_len + seq.num_output:
+                seq.num_output += 1
+                if seq.first_token_s < 0.0:
+                    seq.first_token_s = now
+                    self._first_tokens.append((seq.request_id, now))
+                if seq.num_output >= seq.max_output:
+                    self._finish(seq, now)
+                elif seq.num_output >= seq.grow_at:
+                    self._grow(seq)
+        self._note_usage()
+
+    # ----------------------------------------------------------------- shared pieces
+    def _advance(self, prefill_tokens: int, attn_work: float, num_decode: int,
+                 kv_decode: int) -> float:
+        """Run the clock over one iteration of that composition; the new time."""
+        if prefill_tokens == 0:
+            base, per_kv = self._coefficients(num_decode)
+            dt = base + per_kv * kv_decode
+        else:
+            dt = self.step_model.step_time_s(prefill_tokens, attn_work, num_decode, kv_decode)
+        self._last_start = self._now
+        self._now += dt
+        self._busy_s += dt
+        self._iterations += 1
+        self._prefill_tokens += prefill_tokens
+        self._decode_tokens += num_decode
+        return self._now
+
+    def _account(self, seq: SimSeq, n: int, now: float) -> None:
+        """A request computed ``n`` tokens in the iteration that ended at ``now``."""
+        seq.num_computed += n
+        if seq.num_computed == seq.prompt_len + seq.num_output:
+            seq.num_output += 1
+            if seq.first_token_s < 0.0:
+                seq.first_token_s = now
+                self._first_tokens.append((seq.request_id, now))
+            if seq.num_output >= seq.max_output:
+                self._finish(seq, now)
+            elif seq.num_output >= seq.grow_at:
+                self._grow(seq)
+
+    def _coefficients(self, num_decode: int) -> tuple[float, float]:
+        coeffs = self._decode_coeffs.get(num_decode)
+        if coeffs is None:
+            coeffs = self.step_model.decode_coefficients(num_decode)
+            self._decode_coeffs[num_decode] = coeffs
+        return coeffs
+
+    def _grow(self, seq: SimSeq) -> None:
+        """Raise a running request's counted KV as it outgrows its reserve (a pure function
+        of its output so far: skipping and stepping agree)."""
+        reserve = self._reserve
+        grown = reserve.grown(seq.committed, seq.kv_limit, seq.prompt_len, seq.num_output)
+        self._committed_tokens += grown - seq.committed
+        seq.committed = grown
+        seq.grow_at = reserve.next_growth_at(grown, seq.kv_limit, seq.prompt_len)
+
+    def _finish(self, seq: SimSeq, now: float) -> None:
+        self._running.remove(seq)
+        self._in_running[seq.bucket] -= 1
+        self._reserve.observe(seq.bucket, seq.num_output)
+        self._free_blocks += seq.blocks
+        seq.blocks = 0
+        self._unfinished[seq.bucket] -= 1
+        self._committed_tokens -= seq.committed
+        tpot = (now - seq.first_token_s) / (seq.num_output - 1) if seq.num_output > 1 else 0.0
+        # positional (the field order of FinishedRequest): one per request, on the hot path
+        self._finished.append(FinishedRequest(
+            seq.request_id, seq.bucket, self.pool, seq.arrival_s, seq.prompt_len,
+            seq.num_output, seq.first_token_s - seq.arrival_s, tpot, now - seq.arrival_s,
+            now, seq.preemptions, seq.truncated))
+
+    def _note_usage(self) -> None:
+        used = self.num_kv_blocks - self._free_blocks
+        if used > self._peak_used_blocks:
+            self._peak_used_blocks = used

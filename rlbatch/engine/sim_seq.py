@@ -1,0 +1,58 @@
+"""The simulator's mutable scheduler state of one request (``SimSeq``)."""
+
+from __future__ import annotations
+
+from rlbatch.request import Request
+
+
+class SimSeq:
+    """Mutable scheduler state of one request inside a simulated engine.
+
+    While a request is in its engine's :class:`~rlbatch.engine.decode_lane.DecodeLane`
+    (``in_lane``), ``num_output``, ``num_computed`` and ``blocks`` hold the values of when it
+    joined; the lane derives the current ones from its counter (``DecodeLane.sync`` writes
+    them back).
+    """
+
+    __slots__ = (
+        "arrival_s",
+        "blocks",
+        "bucket",
+        "committed",
+        "first_token_s",
+        "grow_at",
+        "in_lane",
+        "kv_limit",
+        "max_output",
+        "num_computed",
+        "num_output",
+        "order",
+        "out_base",
+        "preemptions",
+        "prompt_len",
+        "request_id",
+        "truncated",
+    )
+
+    def __init__(self, request: Request, bucket: int, prompt_len: int, truncated: bool) -> None:
+        self.request_id = request.request_id
+        self.arrival_s = request.arrival_s
+        self.bucket = bucket
+        self.prompt_len = prompt_len
+        self.max_output = request.max_output_tokens
+        self.truncated = truncated
+        self.num_output = 0
+        self.num_computed = 0
+        self.blocks = 0
+        self.first_token_s = -1.0
+        self.preemptions = 0
+        # KV the admission budget counts (rlbatch.engine.reserve), its ceiling, and the
+        # output count at which the count grows next.
+        self.committed = 0
+        self.kv_limit = 0
+        self.grow_at = 0
+        # position in the running order (a counter taken when it enters the running list)
+        self.order = -1
+        # decode lane: in it, and num_output = out_base + the lane's counter
+        self.in_lane = False
+        self.out_base = 0
