@@ -73,8 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rate-multiplier", type=float, default=None, metavar="X",
                    help="multiply every training, selection and comparison rate scale by X "
                         "(a deployment with more capacity than one A100 serving llama-2-7b "
-                        "needs more load to reach its knee); default: 1, or 2.5 for "
-                        "--pools fp16:1,fp8:1 (measured, policies/protocol.py)")
+                        "needs more load to reach its knee); default: the measured one for the "
+                        "deployment (policies/protocol.py RATE_MULTIPLIERS: 2.5 for --pools "
+                        "fp16:1,fp8:1), else 1")
     p.add_argument("--out", default=None, help="run folder: TensorBoard logs, artifacts "
                    "(default runs/recipe or runs/ppo)")
     p.add_argument("--no-compare", action="store_true",
@@ -116,7 +117,7 @@ def _rate_multiplier(args: argparse.Namespace) -> float:
 
     if args.rate_multiplier is not None:
         return float(args.rate_multiplier)
-    return rate_multiplier_for(args.pools)
+    return rate_multiplier_for(args.gpu, args.model, args.pools)
 
 
 def main_distill(args: argparse.Namespace) -> int:

@@ -105,15 +105,26 @@ def training_runs(rate_multiplier: float = 1.0) -> list[RunSet]:
                    _scaled((0.5, 0.75, 0.9, 1.0), rate_multiplier), False)]
 
 
-RATE_MULTIPLIERS: dict[str, float] = {"fp16:1": 1.0, "fp16:1,fp8:1": 2.5}
-"""Measured rate multipliers that keep the protocol's runs around the knee (BENCHMARKS.md,
-issue 14, "Two pools"): one FP16 engine and one FP8-KV engine serve about 2.5x the load of
-one FP16 engine within the SLA."""
+RATE_MULTIPLIERS: dict[tuple[str, str, str], float] = {
+    ("a100-80g", "llama-2-7b", "fp16:1"): 1.0,
+    ("a100-80g", "llama-2-7b", "fp16:1,fp8:1"): 2.5,
+    ("h100-80g", "llama-2-7b", "fp16:1"): 2.0,
+    ("a100-80g", "llama-3.1-8b", "fp16:1"): 1.6,
+}
+"""Measured rate multipliers (GPU, model, pools) that put the Azure runs of the protocol
+around the knee (BENCHMARKS.md, issue 14, stop 4): e.g. one FP16 engine and one FP8-KV
+engine serve about 2.5x the load of one FP16 engine within the SLA."""
 
 
-def rate_multiplier_for(pools: dict[str, int]) -> float:
-    """:data:`RATE_MULTIPLIERS` for a deployment's pools (1 when not measured)."""
-    return RATE_MULTIPLIERS.get(",".join(f"{p}:{n}" for p, n in pools.items()), 1.0)
+def rate_multiplier_for(gpu: str, model: str, pools: dict[str, int]) -> float:
+    """:data:`RATE_MULTIPLIERS` for a deployment (1 when not measured).
+
+    :param gpu: GPU profile name.
+    :param model: model profile name.
+    :param pools: engines per pool.
+    """
+    key = (gpu, model, ",".join(f"{p}:{n}" for p, n in pools.items()))
+    return RATE_MULTIPLIERS.get(key, 1.0)
 
 
 def run_label(run: RunSet) -> str:
@@ -264,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate-multiplier", type=float, default=None, metavar="X",
                    help="multiply every run's rate scale by X (a deployment with more "
                         "capacity than one A100 serving llama-2-7b needs more load to be "
-                        "contested); default: 1, or 2.5 for --pools fp16:1,fp8:1")
+                        "contested); default: the measured one for the deployment "
+                        "(RATE_MULTIPLIERS: 2.5 for --pools fp16:1,fp8:1), else 1")
     add_deployment_options(p)
     # Mooncake prompts exceed a 4k context: the protocol truncates them (and counts them).
     p.set_defaults(over_length="truncate")
@@ -276,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     candidates = [c.strip() for c in args.controllers.split(",") if c.strip()]
     if args.max_tokens is not None and args.max_tokens < 1:
         p.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    multiplier = (rate_multiplier_for(spec.pools) if args.rate_multiplier is None
+    multiplier = (rate_multiplier_for(spec.gpu, spec.model, spec.pools)
+                  if args.rate_multiplier is None
                   else args.rate_multiplier)
     if not multiplier > 0:
         p.error(f"--rate-multiplier must be > 0, got {multiplier}")

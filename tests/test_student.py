@@ -166,8 +166,10 @@ def test_rate_multiplier_scales_every_protocol_run() -> None:
                                          for r in base]
     assert [r.window for r in scaled] == [r.window for r in base]
     assert training_runs(2.0)[0].rates == (1.0, 1.5, 1.8, 2.0)
-    assert rate_multiplier_for({"fp16": 1, "fp8": 1}) == 2.5
-    assert rate_multiplier_for({"fp16": 1}) == rate_multiplier_for({"fp16": 3}) == 1.0
+    assert rate_multiplier_for("a100-80g", "llama-2-7b", {"fp16": 1, "fp8": 1}) == 2.5
+    assert rate_multiplier_for("a100-80g", "llama-2-7b", {"fp16": 1}) == 1.0
+    assert rate_multiplier_for("h100-80g", "llama-2-7b", {"fp16": 1}) == 2.0
+    assert rate_multiplier_for("a100-80g", "llama-2-7b", {"fp16": 3}) == 1.0  # not measured
     with pytest.raises(ValueError, match="rate multiplier"):
         unseen_runs(0.0)
 
