@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "azure_conv_2023.csv); the recipe uses their first 75%% only")
     add_gpu_model_options(p, gpu=d.gpu, model=d.model)
     add_pools_option(p, default=d.pools)
+    p.add_argument("--rate-multiplier", type=float, default=None, metavar="X",
+                   help="multiply every training, selection and comparison rate scale by X "
+                        "(a deployment with more capacity than one A100 serving llama-2-7b "
+                        "needs more load to reach its knee); default: the measured one for the "
+                        "deployment (policies/protocol.py RATE_MULTIPLIERS: 2.5 for --pools "
+                        "fp16:1,fp8:1), else 1")
     p.add_argument("--out", default=None, help="run folder: TensorBoard logs, artifacts "
                    "(default runs/recipe or runs/ppo)")
     p.add_argument("--no-compare", action="store_true",
@@ -86,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--decision-ticks", type=int, default=r.decision_ticks,
                    help="ticks between two student decisions")
     g.add_argument("--epochs", type=int, default=r.epochs, help="behaviour-cloning epochs")
+    g.add_argument("--finetune-steps", type=int, default=r.finetune_steps,
+                   help="PPO fine-tuning decisions after DAgger (0: none); the fine-tuned "
+                        "student is one more checkpoint for selection")
     h = p.add_argument_group("PPO from scratch (--method ppo)")
     h.add_argument("--timesteps", type=int, default=d.timesteps, help="environment steps")
     h.add_argument("--n-envs", type=int, default=d.n_envs, help="parallel environments")
@@ -102,6 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _rate_multiplier(args: argparse.Namespace) -> float:
+    """``--rate-multiplier``, or the measured one for the pools (1 for one FP16 engine)."""
+    from policies.protocol import rate_multiplier_for
+
+    if args.rate_multiplier is not None:
+        return float(args.rate_multiplier)
+    return rate_multiplier_for(args.gpu, args.model, args.pools)
+
+
 def main_distill(args: argparse.Namespace) -> int:
     traces = tuple(str(resolve_trace_ref(t)) for t in args.traces)
     out = Path(args.out or "runs/recipe")
@@ -112,7 +130,8 @@ def main_distill(args: argparse.Namespace) -> int:
                            dagger_rounds=args.dagger_rounds,
                            dagger_episodes=args.dagger_episodes,
                            decision_ticks=args.decision_ticks, epochs=args.epochs,
-                           out=str(out))
+                           finetune_steps=args.finetune_steps,
+                           rate_multiplier=_rate_multiplier(args), out=str(out))
     except ValueError as exc:
         print(f"train.py: error: {exc}", file=sys.stderr)
         return 2
@@ -140,10 +159,12 @@ def main_distill(args: argparse.Namespace) -> int:
         best = Path(summary["best"]).parent
         if args.ray is None:
             _rows, _pick, text = evaluate_protocol([f"ppo:{best}", "mpc"], cfg.spec(),
-                                                   quiet=args.no_progress)
+                                                   quiet=args.no_progress,
+                                                   rate_multiplier=cfg.rate_multiplier)
         else:  # the same grid and report, its runs as Ray tasks
             rows, pick = protocol_comparison([f"ppo:{best}", "mpc"], cfg.spec(),
-                                             ray=args.ray, quiet=args.no_progress)
+                                             ray=args.ray, quiet=args.no_progress,
+                                             rate_multiplier=cfg.rate_multiplier)
             text = render(rows, [f"ppo:{best}", "mpc"], pick)
         (out / "EVAL.md").write_text(f"# Evaluation of {best}\n\n{text}\n")
         print(text)
@@ -184,7 +205,9 @@ def _base_config(args: argparse.Namespace) -> tuple[RecipeConfig | TrainConfig,
                             episodes=args.episodes, episode_s=args.recipe_episode_s,
                             dagger_rounds=args.dagger_rounds,
                             dagger_episodes=args.dagger_episodes,
-                            decision_ticks=args.decision_ticks, epochs=args.epochs)
+                            decision_ticks=args.decision_ticks, epochs=args.epochs,
+                            finetune_steps=args.finetune_steps,
+                            rate_multiplier=_rate_multiplier(args))
         return base, base.spec()
     names = {f.name for f in fields(TrainConfig)}
     values = {k: v for k, v in vars(args).items() if k in names}
@@ -204,7 +227,7 @@ def main_seeds(args: argparse.Namespace) -> int:
         return 2
     try:
         print(run_seeds(runs, spec, out, ray=args.ray, compare=not args.no_compare,
-                        quiet=args.no_progress))
+                        quiet=args.no_progress, rate_multiplier=_rate_multiplier(args)))
     except RuntimeError as exc:  # a seed or a comparison run failed twice on Ray
         print(f"train.py: failed: {exc}", file=sys.stderr)
         return 1

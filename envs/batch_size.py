@@ -69,7 +69,7 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     | 8b+1 | arrival rate of bucket b in the last tick | log1p(req/s) / log1p(100) |
     | 8b+2 | requests of bucket b inside engines (running + engine-waiting) | / ladder max |
     | 8b+3 | cap in force for bucket b | / ladder max |
-    | 8b+4 | pool in force for bucket b | pool index / (pools - 1) |
+    | 8b+4 | pool in force for bucket b | pool index / (pools - 1); any pool: 0.5 |
     | 8b+5 | TTFT P99 of bucket b over the last 30 s | / SLA TTFT (0: no completions) |
     | 8b+6 | TPOT P99 of bucket b over the last 30 s | / SLA TPOT (0: no completions) |
     | 8b+7 | wait of bucket b's oldest queued request | / SLA TTFT |

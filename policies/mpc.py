@@ -14,12 +14,15 @@ what ``static:N`` sets, plus per-bucket shares of it), so a student can clone th
 1. every total of ``totals`` (default 4..256 doubling) with no per-bucket cap;
 2. the incumbent and its neighbours one step up and down the total ladder;
 3. around the best of those: per-bucket trims (long-prompt buckets held to a share of the
-   total) and the neighbouring totals of the codec's finer ladder.
+   total) and the neighbouring totals of the codec's finer ladder;
+4. with several pools, around the best: every bucket to the least-loaded engine of any pool
+   (what the static caps do), and short / long buckets split between the pools.
 
 Score of a rollout: requests that met the SLA (weighted per bucket by ``1 / attainment``
 observed so far: requests finished in SLA over finished + late-queued, decayed, floored, so a
 starving bucket's service counts more) minus those that missed it (finished late, refused, or
-doomed at the horizon: no first token past the TTFT limit, or a TPOT already above the limit);
+doomed at the horizon: no first token past the TTFT limit, or a TPOT already above the limit;
+a request served from the FP8 pool counts 1.5% less, the reward's quality cost);
 the queues left at the horizon are projected forward at the rate each bucket was served
 (:func:`rollout_score`), so a cap that lets the backlog grow pays for it within a short horizon.
 
@@ -39,12 +42,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from policies.mpc_score import rollout_score
 from policies.rules import GuardedController
 from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, TotalShareCodec
 from rlbatch.control.guard import GuardConfig
-from rlbatch.control.types import SLA, ControlAction, DeploymentInfo, DeploymentStats, meets_sla
+from rlbatch.control.types import (
+    ANY_POOL,
+    ControlAction,
+    DeploymentInfo,
+    DeploymentStats,
+    balanced_route,
+    meets_sla,
+)
 from rlbatch.request import Request
-from rlbatch.serving.twin import Rollout, StatsTwin, Twin, replay, roll_out
+from rlbatch.serving.twin import StatsTwin, Twin, replay, roll_out
 
 
 @dataclass(frozen=True)
@@ -78,6 +89,11 @@ class MpcConfig:
         candidate misses the same queued requests, and then lets the backlog grow for
         minutes: measured on Azure 0.75).
     :param sticky: among ties keep the incumbent (default: the largest total).
+    :param routing: with several pools, also try routes around the best candidate: every
+        bucket to the least-loaded engine of any pool, and short / long buckets split
+        between the pools (:func:`splits`).
+    :param fp8_cost: quality cost of a request served from the FP8 pool, in requests (the
+        reward's ``w_fp8``, the guide's <= 1.5%).
     :param guarded: behind the guard (default); ``False`` applies the chosen candidate as
         it is, like ``static:N`` (for comparisons with the unguarded statics).
     """
@@ -100,6 +116,8 @@ class MpcConfig:
     sticky: bool = False
     weigh_misses: bool = False
     no_shrink_when_late: bool = True
+    routing: bool = True
+    fp8_cost: float = 0.015
 
     def __post_init__(self) -> None:
         if not (self.horizon_s > 0 and self.every_s > 0 and self.window_s > 0):
@@ -111,8 +129,9 @@ class MpcConfig:
             raise ValueError(f"attainment_floor must be in (0, 1], got {self.attainment_floor}")
 
 
-Key = tuple[int, tuple[int, ...]]
-"""A candidate as (total index, per-bucket share indices) on the codec's ladders."""
+Key = tuple[int, tuple[int, ...], tuple[int, ...]]
+"""A candidate as (total index, per-bucket share indices, per-bucket route indices) on the
+codec's ladders and routes."""
 
 
 class MpcController(GuardedController):
@@ -130,11 +149,13 @@ class MpcController(GuardedController):
         self.twin: Twin | None = None
         self._bound: Twin | None = None
         self.codec: TotalShareCodec | None = None
-        self.incumbent: Key = (0, ())
+        self.incumbent: Key = (0, (), ())
         self.last_proposal: ControlAction | None = None
         self.last_scores: dict[Key, float] = {}
         self.decision_s: list[float] = []
         self.choices: Counter[int] = Counter()
+        self.route_choices: Counter[str] = Counter()
+        self._balanced: tuple[int, ...] = ()
         self._next_decision_s = 0.0
         self._met: list[float] = []
         self._done: list[float] = []
@@ -152,7 +173,8 @@ class MpcController(GuardedController):
     def on_reset(self, info: DeploymentInfo) -> None:
         n = len(info.buckets)
         self.codec = TotalShareCodec(TOTAL_LADDER, SHARE_LADDER, info.pool_names, n)
-        self.incumbent = (TOTAL_LADDER.index(64), (len(SHARE_LADDER) - 1,) * n)
+        self._balanced = (self.codec.routes.index(balanced_route(info.pool_names)),) * n
+        self.incumbent = (TOTAL_LADDER.index(64), (len(SHARE_LADDER) - 1,) * n, self._balanced)
         self.twin = self._bound
         self._bound = None
         if self.twin is None:
@@ -164,6 +186,7 @@ class MpcController(GuardedController):
         self.last_scores = {}
         self.decision_s = []
         self.choices = Counter()
+        self.route_choices = Counter()
         self._next_decision_s = 0.0
         self._met = [0.0] * n
         self._done = [0.0] * n
@@ -180,8 +203,9 @@ class MpcController(GuardedController):
     def action(self, key: Key) -> ControlAction:
         """The ControlAction of a candidate key."""
         assert self.codec is not None
-        ti, shares = key
-        return self.codec.decode([ti, *(x for s in shares for x in (s, 0))])
+        ti, shares, routes = key
+        return self.codec.decode([ti, *(x for s, r in zip(shares, routes, strict=True)
+                                        for x in (s, r))])
 
     def propose(self, stats: DeploymentStats | None) -> ControlAction:
         assert self.info is not None
@@ -193,6 +217,8 @@ class MpcController(GuardedController):
                 self.decision_s.append(time.perf_counter() - t0)
                 self._next_decision_s = stats.time_s + self.config.every_s - 1e-9
             self.choices[TOTAL_LADDER[self.incumbent[0]]] += 1
+            if len(self.info.pools) > 1:
+                self.route_choices[self.route_label(self.incumbent)] += 1
         self.last_proposal = self.action(self.incumbent)
         return self.last_proposal
 
@@ -241,25 +267,31 @@ class MpcController(GuardedController):
                     result = roll_out(self.twin.fork(now_s, arrivals), guarded, now_s,
                                       now_s + cfg.horizon_s)
                     total += rollout_score(result, self.info.sla, weights, cfg.backlog,
-                                           cfg.weigh_misses, cfg.project_s)
+                                           cfg.weigh_misses, cfg.project_s, cfg.fp8_cost)
                 scores[key] = total / len(streams)
             return scores[key]
 
         n = len(self.info.buckets)
         top = len(SHARE_LADDER) - 1
-        inc_t, inc_s = self.incumbent
-        first = [(TOTAL_LADDER.index(t), (top,) * n) for t in cfg.totals]
-        first += [self.incumbent] + [(t, inc_s) for t in (inc_t - 1, inc_t + 1)
+        inc_t, inc_s, inc_r = self.incumbent
+        first = [(TOTAL_LADDER.index(t), (top,) * n, inc_r) for t in cfg.totals]
+        first += [self.incumbent] + [(t, inc_s, inc_r) for t in (inc_t - 1, inc_t + 1)
                                      if 0 <= t < len(TOTAL_LADDER)]
         for key in first:
             score(key)
         best = self._best(scores)
         if cfg.trims:
-            bt, bs = best
-            second = [(bt, trim) for trim in trims(n, top)]
-            second += [(t, bs) for t in (bt - 1, bt + 1) if 0 <= t < len(TOTAL_LADDER)]
+            bt, bs, br = best
+            second = [(bt, trim, br) for trim in trims(n, top)]
+            second += [(t, bs, br) for t in (bt - 1, bt + 1) if 0 <= t < len(TOTAL_LADDER)]
             for key in second:
                 score(key)
+            best = self._best(scores)
+        if cfg.routing and len(self.info.pools) > 1:
+            assert self.codec is not None
+            bt, bs, _ = best
+            for routes in (self._balanced, *splits(self.codec.routes, n)):
+                score((bt, bs, routes))
             best = self._best(scores)
         self.last_scores = scores
         return best
@@ -299,7 +331,7 @@ class MpcController(GuardedController):
             near = [k for k in near if k[0] >= self.incumbent[0]] or [self.incumbent]
         if self.incumbent in near and cfg.sticky:
             return self.incumbent
-        return max(near, key=lambda k: (k[0], sum(k[1]), scores[k]))
+        return max(near, key=lambda k: (k[0], sum(k[1]), k[2] == self._balanced, scores[k]))
 
     # ------------------------------------------------------------------ reports
     def row_extras(self) -> dict[str, Any]:
@@ -311,7 +343,14 @@ class MpcController(GuardedController):
             "mpc_decision_ms_mean": 1e3 * sum(times) / n if n else math.nan,
             "mpc_decision_ms_p95": 1e3 * times[min(n - 1, int(0.95 * n))] if n else math.nan,
             "mpc_totals_chosen": dict(sorted(self.choices.items())),
+            **({"mpc_routes_chosen": dict(self.route_choices.most_common())}
+               if self.route_choices else {}),
         }
+
+    def route_label(self, key: Key) -> str:
+        """A candidate's routes as text, e.g. ``fp16/fp16/fp8/fp8``."""
+        assert self.codec is not None
+        return "/".join(self.codec.routes[r] for r in key[2])
 
 
 def trims(num_buckets: int, top: int) -> list[tuple[int, ...]]:
@@ -328,6 +367,22 @@ def trims(num_buckets: int, top: int) -> list[tuple[int, ...]]:
     return out
 
 
+def splits(routes: Sequence[str], num_buckets: int) -> list[tuple[int, ...]]:
+    """Route-index vectors that serve short and long prompts on different pools: for every
+    boundary, the buckets below it on one pool and the rest on the other (both ways round),
+    so long prefills stop inflating the short requests' TPOT. ``routes`` are the codec's
+    (pools, then ``any``)."""
+    pools = [i for i, r in enumerate(routes) if r != ANY_POOL]
+    out: list[tuple[int, ...]] = []
+    for a in pools:
+        for b in pools:
+            if a == b:
+                continue
+            for k in range(1, num_buckets):
+                out.append(tuple(a if i < k else b for i in range(num_buckets)))
+    return out
+
+
 def busiest(arrivals: Sequence[Request], window_s: float) -> Sequence[Request]:
     """The ``window_s``-long run of ``arrivals`` (sorted) holding the most requests."""
     best_lo, best_n, lo = 0, 0, 0
@@ -339,74 +394,14 @@ def busiest(arrivals: Sequence[Request], window_s: float) -> Sequence[Request]:
     return arrivals[best_lo:best_lo + best_n]
 
 
-def rollout_score(result: Rollout, sla: SLA, weights: list[float], backlog: float = 0.0,
-                  weigh_misses: bool = True, project_s: float = 0.0) -> float:
-    """Weighted met - missed of a rollout. Unfinished requests that can no longer meet the
-    SLA at its end count as missed; with ``project_s`` > 0 the queues left at the end are
-    projected forward at the rate each bucket completed requests in the rollout: a queued
-    request that will pass its TTFT limit before its turn counts as missed, and so do the
-    arrivals of the next ``project_s`` seconds that the leftover queue will hold up past the
-    TTFT limit (a cap that lets the backlog grow pays for it even when the horizon is
-    short). Every unfinished request costs ``backlog`` more.
-
-    :param result: the rollout.
-    :param sla: the SLA.
-    :param weights: per bucket weight.
-    :param backlog: extra cost of each request left unfinished at the horizon.
-    :param weigh_misses: the weights apply to misses and backlog too (else to met only: in
-        a collapse every candidate misses a starving bucket's queue, and weighing those
-        misses drowns the throughput differences that decide how fast it recovers).
-    :param project_s: how far past the horizon the leftover queues are projected (0: off).
-    """
-    end = result.end_s
-    n = len(weights)
-    total = 0.0
-    miss = weights if weigh_misses else [1.0] * n
-    served = [0] * n
-    arrived = [0] * n
-    for rec in result.finished:
-        total += weights[rec.bucket] if meets_sla(rec, sla) else -miss[rec.bucket]
-        if not rec.rejected:
-            served[rec.bucket] += 1
-        arrived[rec.bucket] += rec.arrival_s > result.start_s
-    for bucket, arrival, first_token, _num_output, max_output in result.pending:
-        total -= backlog * miss[bucket]
-        arrived[bucket] += arrival > result.start_s
-        if first_token < 0:
-            doomed = end - arrival > sla.ttft_s
-        else:
-            doomed = (first_token - arrival > sla.ttft_s
-                      or (max_output > 1 and (end - first_token) / (max_output - 1) > sla.tpot_s))
-        if doomed:
-            total -= miss[bucket]
-    queues: list[list[float]] = [[] for _ in range(n)]
-    for bucket, arrival in result.queued:
-        queues[bucket].append(arrival)
-        arrived[bucket] += arrival > result.start_s
-    span = max(end - result.start_s, 1e-9)
-    for b, queue in enumerate(queues):
-        if not queue:
-            continue
-        total -= backlog * miss[b] * len(queue)
-        rate = served[b] / span
-        queue.sort()
-        for i, arrival in enumerate(queue):
-            wait = (i + 1) / rate if project_s > 0 and rate > 0 else 0.0
-            if end - arrival + wait > sla.ttft_s or (project_s > 0 and rate == 0):
-                total -= miss[b]
-        if project_s > 0:
-            drain = len(queue) / rate if rate > 0 else math.inf
-            held = min(project_s, max(0.0, drain - sla.ttft_s))
-            total -= miss[b] * arrived[b] / span * held
-    return total
-
-
 _KEYS = {"horizon": "horizon_s", "every": "every_s", "window": "window_s",
          "floor": "attainment_floor", "memory": "memory_s", "margin": "switch_margin",
          "backlog": "backlog", "stress_memory": "stress_memory_s",
-         "stress_rate": "stress_rate", "tolerance": "tolerance", "project": "project_s"}
+         "stress_rate": "stress_rate", "tolerance": "tolerance", "project": "project_s",
+         "fp8_cost": "fp8_cost"}
 
-_FLAGS = {"trims": "trims", "guard": "guarded", "stress": "stress", "sticky": "sticky",
+_FLAGS = {"trims": "trims", "routing": "routing", "guard": "guarded", "stress": "stress",
+          "sticky": "sticky",
           "weigh_misses": "weigh_misses", "no_shrink": "no_shrink_when_late"}
 
 
@@ -414,7 +409,7 @@ def mpc_factory(arg: str) -> MpcController:
     """``mpc`` or ``mpc:KEY=VALUE/...``, e.g. ``mpc:horizon=60/every=10/totals=8-64/guard=0``
     (``/`` separates options: commas separate controllers on the command line). Keys:
     horizon, every, window, floor, memory, margin, backlog, project, stress_memory,
-    stress_rate, tolerance (numbers), trims,
+    stress_rate, tolerance, fp8_cost (numbers), trims, routing,
     stress, guard, sticky,
     weigh_misses, no_shrink (0/1), totals (``-``-separated)."""
     changes: dict[str, Any] = {}

@@ -72,22 +72,59 @@ class RunSet:
     unseen: bool
 
 
-def unseen_runs() -> list[RunSet]:
+def _scaled(rates: tuple[float, ...], multiplier: float) -> tuple[float, ...]:
+    if not multiplier > 0:
+        raise ValueError(f"rate multiplier must be > 0, got {multiplier}")
+    return tuple(round(r * multiplier, 6) for r in rates)
+
+
+def unseen_runs(rate_multiplier: float = 1.0) -> list[RunSet]:
     """The traffic a shipped policy is judged on: the held-back later window of the Azure
     training trace and the Mooncake family, at rate scales that put the best static cap at
-    20-95% SLA attainment (measured: BENCHMARKS.md, "Evaluation protocol")."""
+    20-95% SLA attainment on one A100 serving llama-2-7b (measured: BENCHMARKS.md,
+    "Evaluation protocol").
+
+    :param rate_multiplier: multiplies every rate scale, for deployments with more capacity
+        (e.g. 2.5 for one FP16 and one FP8 engine, :data:`RATE_MULTIPLIERS`).
+    """
     azure = str(traces_dir() / "azure_conv_2023.csv")
     mooncake = str(traces_dir() / "mooncake_synthetic.jsonl")
-    return [RunSet("azure held-back", azure, held_back_window(azure), (0.8, 0.85, 0.9, 0.95),
-                   True),
-            RunSet("mooncake", mooncake, None, (0.5, 0.6, 0.75), True)]
+    m = rate_multiplier
+    return [RunSet("azure held-back", azure, held_back_window(azure),
+                   _scaled((0.8, 0.85, 0.9, 0.95), m), True),
+            RunSet("mooncake", mooncake, None, _scaled((0.5, 0.6, 0.75), m), True)]
 
 
-def training_runs() -> list[RunSet]:
-    """The training traffic the user's static pick is made on."""
+def training_runs(rate_multiplier: float = 1.0) -> list[RunSet]:
+    """The training traffic the user's static pick is made on.
+
+    :param rate_multiplier: as in :func:`unseen_runs`.
+    """
     azure = str(traces_dir() / "azure_conv_2023.csv")
-    return [RunSet("azure training", azure, training_window(azure), (0.5, 0.75, 0.9, 1.0),
-                   False)]
+    return [RunSet("azure training", azure, training_window(azure),
+                   _scaled((0.5, 0.75, 0.9, 1.0), rate_multiplier), False)]
+
+
+RATE_MULTIPLIERS: dict[tuple[str, str, str], float] = {
+    ("a100-80g", "llama-2-7b", "fp16:1"): 1.0,
+    ("a100-80g", "llama-2-7b", "fp16:1,fp8:1"): 2.5,
+    ("h100-80g", "llama-2-7b", "fp16:1"): 2.0,
+    ("a100-80g", "llama-3.1-8b", "fp16:1"): 1.6,
+}
+"""Measured rate multipliers (GPU, model, pools) that put the Azure runs of the protocol
+around the knee (BENCHMARKS.md, issue 14, stop 4): e.g. one FP16 engine and one FP8-KV
+engine serve about 2.5x the load of one FP16 engine within the SLA."""
+
+
+def rate_multiplier_for(gpu: str, model: str, pools: dict[str, int]) -> float:
+    """:data:`RATE_MULTIPLIERS` for a deployment (1 when not measured).
+
+    :param gpu: GPU profile name.
+    :param model: model profile name.
+    :param pools: engines per pool.
+    """
+    key = (gpu, model, ",".join(f"{p}:{n}" for p, n in pools.items()))
+    return RATE_MULTIPLIERS.get(key, 1.0)
 
 
 def run_label(run: RunSet) -> str:
@@ -200,14 +237,17 @@ def render(rows: Sequence[dict[str, Any]], candidates: Sequence[str], pick: str)
 
 
 def evaluate_protocol(candidates: Sequence[str], spec: DeploymentSpec, *, n_jobs: int = 2,
-                      quiet: bool = False, max_tokens: int | None = None
+                      quiet: bool = False, max_tokens: int | None = None,
+                      rate_multiplier: float = 1.0
                       ) -> tuple[list[dict[str, Any]], str, str]:
     """Run the training runs (for the user's pick) and the unseen runs; return the unseen
     rows, the user's pick and the Markdown report.
 
     :param max_tokens: the clients' declared output limit (``None``: none declared).
+    :param rate_multiplier: multiplies every run's rate scale (:func:`unseen_runs`).
     """
-    train_sets, unseen_sets = training_runs(), unseen_runs()
+    train_sets = training_runs(rate_multiplier)
+    unseen_sets = unseen_runs(rate_multiplier)
     train_jobs = protocol_jobs([], spec, train_sets, max_tokens=max_tokens)
     unseen_jobs = protocol_jobs(candidates, spec, unseen_sets, max_tokens=max_tokens)
     rows = run_jobs([*train_jobs, *unseen_jobs], n_jobs=n_jobs, quiet=quiet, desc="protocol")
@@ -232,6 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=None, metavar="N",
                    help="clients declare max_tokens=N (or the real output, if longer): the "
                         "ceiling of the guard's KV count (--kv-reserve); default: none declared")
+    p.add_argument("--rate-multiplier", type=float, default=None, metavar="X",
+                   help="multiply every run's rate scale by X (a deployment with more "
+                        "capacity than one A100 serving llama-2-7b needs more load to be "
+                        "contested); default: the measured one for the deployment "
+                        "(RATE_MULTIPLIERS: 2.5 for --pools fp16:1,fp8:1), else 1")
     add_deployment_options(p)
     # Mooncake prompts exceed a 4k context: the protocol truncates them (and counts them).
     p.set_defaults(over_length="truncate")
@@ -243,8 +288,14 @@ def main(argv: list[str] | None = None) -> int:
     candidates = [c.strip() for c in args.controllers.split(",") if c.strip()]
     if args.max_tokens is not None and args.max_tokens < 1:
         p.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    multiplier = (rate_multiplier_for(spec.gpu, spec.model, spec.pools)
+                  if args.rate_multiplier is None
+                  else args.rate_multiplier)
+    if not multiplier > 0:
+        p.error(f"--rate-multiplier must be > 0, got {multiplier}")
     rows, _pick, text = evaluate_protocol(candidates, spec, n_jobs=args.jobs,
-                                          quiet=args.quiet, max_tokens=args.max_tokens)
+                                          quiet=args.quiet, max_tokens=args.max_tokens,
+                                          rate_multiplier=multiplier)
     if args.json:
         write_json(args.json, rows)
     if args.markdown:

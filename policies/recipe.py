@@ -1,4 +1,5 @@
-"""The learning recipe: planner teacher -> behaviour-cloned student -> DAgger -> selection.
+"""The learning recipe: planner teacher -> behaviour-cloned student -> DAgger -> PPO
+fine-tuning -> selection.
 
 1. **Teacher data**: the ``mpc`` planner runs on workloads drawn from the training traffic
    only (the first 75% of each training trace, :mod:`policies.protocol`), most of them
@@ -8,12 +9,15 @@
    likelihood on the teacher's decisions (:func:`policies.distill.fit_policy`).
 3. **DAgger**: the student drives, the teacher (bound to the same simulated deployment)
    labels the states the student reaches; refit on everything.
-4. **Selection**: every student checkpoint is scored on full-length validation windows of
-   the training traffic (never the held-back window) under the evaluation's over-length
-   policy; the best is exported as the policy artifact.
+4. **Fine-tuning**: PPO on the env's reward, starting from the last DAgger student
+   (:mod:`policies.finetune`: value head fitted first, small steps), on workloads drawn as
+   in 1.
+5. **Selection**: every student checkpoint (the fine-tuned one included) is scored on
+   full-length validation windows of the training traffic (never the held-back window)
+   under the evaluation's over-length policy; the best is exported as the policy artifact.
 
 Every phase logs to TensorBoard under its own prefix (``teacher/``, ``student/``,
-``dagger/``, ``select/``).
+``dagger/``, ``finetune/``, ``select/``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import numpy as np
 
 from policies.artifact import load_artifact, save_artifact
 from policies.distill import Demonstrations, LabellingController, collect, fit_policy
+from policies.finetune import FinetuneConfig, finetune, recipe_env_kwargs
 from policies.ppo import PpoController
 from policies.protocol import training_window
 from policies.training import eval_score, export_actor
@@ -71,7 +76,11 @@ class RecipeConfig:
     :param net_arch: hidden layers of the student.
     :param epochs: behaviour-cloning passes per fit.
     :param learning_rate: behaviour-cloning step size.
+    :param finetune_steps: PPO fine-tuning decisions after DAgger (0: no fine-tuning).
     :param selection_rates: rate scales of the full-length validation windows.
+    :param rate_multiplier: multiplies every trace rate scale and generated load (a
+        deployment with more capacity than one A100 serving llama-2-7b needs more load to
+        reach its knee; :data:`policies.protocol.RATE_MULTIPLIERS`).
     :param out: run folder.
     """
 
@@ -95,7 +104,9 @@ class RecipeConfig:
     net_arch: tuple[int, ...] = (64, 64)
     epochs: int = 60
     learning_rate: float = 3e-3
+    finetune_steps: int = 8192
     selection_rates: tuple[float, ...] = (0.6, 0.7, 0.8)
+    rate_multiplier: float = 1.0
     out: str = "runs/recipe"
 
     def __post_init__(self) -> None:
@@ -104,6 +115,10 @@ class RecipeConfig:
             raise ValueError(f"need episodes >= 1, dagger_rounds >= 0, decision_ticks >= 1; "
                              f"got {self.episodes}, {self.dagger_rounds}, "
                              f"{self.decision_ticks}")
+        if self.finetune_steps < 0:
+            raise ValueError(f"finetune_steps must be >= 0, got {self.finetune_steps}")
+        if not self.rate_multiplier > 0:
+            raise ValueError(f"rate_multiplier must be > 0, got {self.rate_multiplier}")
         for name in ("knee_share", "generated_share"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
@@ -153,12 +168,13 @@ def sample_workloads(cfg: RecipeConfig, rng: np.random.Generator, n: int,
             kind = ("bursty", "diurnal", "night", "day")[int(rng.integers(4))]
             load = float(np.exp(rng.uniform(np.log(0.8), np.log(2.0))))
             out.append(make_scenario(kind, seed=int(rng.integers(2**31)),
-                                     duration_s=cfg.episode_s, load_scale=load))
+                                     duration_s=cfg.episode_s,
+                                     load_scale=load * cfg.rate_multiplier))
             continue
         i = int(rng.integers(len(traces)))
         trace = traces[i]
         lo, hi = cfg.knee_rates if rng.random() < cfg.knee_share else cfg.broad_rates
-        scale = float(rng.uniform(lo, hi))
+        scale = float(rng.uniform(lo, hi)) * cfg.rate_multiplier
         _, end = training_window(cfg.traces[i])
         span = cfg.episode_s * scale
         start = float(rng.uniform(0.0, max(end - span, 0.0)))
@@ -172,7 +188,7 @@ def validation_workloads(cfg: RecipeConfig) -> list[tuple[str, Workload]]:
     out = []
     for t in cfg.traces:
         window = training_window(t)
-        for rate in cfg.selection_rates:
+        for rate in (r * cfg.rate_multiplier for r in cfg.selection_rates):
             w = load_trace(t, rate_scale=rate, window_s=window)
             out.append((f"{w.name}@{rate:g}", w))
     return out
@@ -206,7 +222,7 @@ def export_student(policy: Any, cfg: RecipeConfig, codec: TotalShareCodec, path:
         "decision_ticks": cfg.decision_ticks,
         "ladder": list(codec.totals),
         "pools": list(codec.pools),
-        "recipe": "mpc teacher -> behaviour cloning -> DAgger -> selection",
+        "recipe": "mpc teacher -> behaviour cloning -> DAgger -> PPO fine-tuning -> selection",
         **(extra or {}),
     })
 
@@ -300,6 +316,18 @@ class Recipe:
                      round_ * self.cfg.dagger_episodes + i)
         return rows
 
+    def finetune(self, policy: Any) -> Any:
+        """Phase 4: PPO fine-tuning of ``policy`` (in place) on the recipe's workloads."""
+        cfg = self.cfg
+        env_kwargs = recipe_env_kwargs(cfg.gpu, cfg.model, cfg.pools, cfg.episode_s,
+                                       cfg.obs_version, cfg.decision_ticks)
+
+        def draw() -> Workload:
+            return sample_workloads(cfg, self.rng, 1, self.traces)[0]
+
+        return finetune(policy, env_kwargs, draw, FinetuneConfig(steps=cfg.finetune_steps),
+                        cfg.seed, self.log)
+
     def select(self, candidates: Sequence[Path]) -> tuple[Path, list[float]]:
         """Phase 4: score every checkpoint on full-length validation windows against the
         best static of each window; the best wins (ties: the later one)."""
@@ -346,6 +374,12 @@ def run_recipe(cfg: RecipeConfig, log: Callable[[str, float, int], None] | None 
         if round_ < cfg.dagger_rounds:
             say(f"dagger round {round_ + 1}: student drives, teacher labels")
             recipe.dagger_round(path / "policy.json", round_)
+    if cfg.finetune_steps > 0:
+        say(f"fine-tuning: PPO for {cfg.finetune_steps} decisions from the last student")
+        recipe.finetune(policy)
+        path = out / "student-finetuned"
+        export_student(policy, cfg, recipe.codec, path, {"phase": "finetune"})
+        checkpoints.append(path)
     say(f"selection on full-length validation windows: {len(checkpoints)} checkpoints")
     best, scores = recipe.select(checkpoints)
     wall = time.perf_counter() - start

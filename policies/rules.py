@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from rlbatch.control.guard import Guard, GuardConfig
-from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats
+from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats, balanced_route
 
 
 class GuardedController:
@@ -84,8 +84,7 @@ class PlaybookController(GuardedController):
 
     def propose(self, stats: DeploymentStats | None) -> ControlAction:
         assert self.info is not None
-        pool = self.info.pool_names[0]
-        return ControlAction(self._caps, (pool,) * len(self._caps))
+        return ControlAction(self._caps, (balanced_route(self.info.pool_names),) * len(self._caps))
 
 
 class AimdController(GuardedController):
@@ -139,9 +138,8 @@ class AimdController(GuardedController):
                         self._decreased_at[b] = stats.time_s
                 elif stats.queued[b] > 0:
                     self._caps[b] = min(float(max_cap), self._caps[b] + self.increase)
-        pool = self.info.pool_names[0]
         return ControlAction(tuple(max(1, int(c)) for c in self._caps),
-                             (pool,) * len(self._caps))
+                             (balanced_route(self.info.pool_names),) * len(self._caps))
 
 
 class RandomController(GuardedController):
@@ -227,7 +225,7 @@ class FixedController(GuardedController):
         assert self.info is not None
         n = len(self.info.buckets)
         caps = self.caps if self.caps is not None else (None,) * n
-        return ControlAction(caps, (self.info.pool_names[0],) * n, self.total)
+        return ControlAction(caps, (balanced_route(self.info.pool_names),) * n, self.total)
 
 
 _SWITCHABLE = ("warmup", "kv_high", "p99", "efficiency", "kv_budget")

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlbatch.control.types import ControlAction
+from rlbatch.control.types import ANY_POOL, ControlAction, route_choices
 from rlbatch.engine.base import Engine
 from rlbatch.engine.sim import SimEngine
 from rlbatch.request import Request
@@ -104,6 +105,26 @@ def test_least_loaded_honours_cap_and_exclusions() -> None:
     assert adm.least_loaded("fp16", bucket=0) is e0  # e1 is at bucket 0's cap
     assert adm.least_loaded("fp16", bucket=0, exclude={0}) is None
     assert adm.least_loaded("fp8") is e2
+
+
+def test_any_pool_routes_to_the_least_loaded_engine_of_every_pool() -> None:
+    """``any``: uncapped arrivals and queued capped ones go to whichever engine of either pool
+    holds the fewest requests; a pool name keeps them in that pool."""
+    adm, (e0, e1, e2) = _admission()
+    adm.apply(_action((None, 1, None), (ANY_POOL, ANY_POOL, "fp16")))
+    e0.add_request(Request(90, 0.0, 10, 5), 0, 10, False)
+    e1.add_request(Request(91, 0.0, 10, 5), 0, 10, False)
+    assert adm.submit(Request(0, 0.0, 10, 5)) == Admitted(0, 2)  # the fp8 engine is idle
+    assert adm.submit(Request(1, 0.0, 10, 5)) == Admitted(0, 0)  # all hold one: lowest id
+    assert adm.submit(Request(2, 0.0, 200, 5)) == Admitted(2, 1)  # pinned to fp16
+    assert adm.submit(Request(3, 0.0, 70, 5)) == Queued(1)
+    assert adm.admit(e2) == 1 and e2.num_unfinished(1) == 1  # any engine may take it
+    assert adm.least_loaded(ANY_POOL) is e0  # two requests each: lowest id
+    assert adm.least_loaded(ANY_POOL, bucket=1, exclude={0}) is e1  # e2 is at the cap
+    assert list(adm.engines_of(ANY_POOL)) == [e0, e1, e2]
+    assert route_choices(POOLS) == (*POOLS, ANY_POOL) and route_choices(("fp16",)) == ("fp16",)
+    with pytest.raises(ValueError, match="routes to pool 'fp32'"):
+        adm.apply(_action((None,) * 3, ("fp32",) * 3))
 
 
 def _finish_all(engine: SimEngine) -> list:  # type: ignore[type-arg]

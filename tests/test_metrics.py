@@ -80,6 +80,15 @@ def test_summarize_reads_the_totals() -> None:
     assert row["batch_efficiency"] == 0.75 and row["kv_cache_usage_peak"] == 0.5
 
 
+def test_fp8_token_share_counts_the_tokens_served_in_fp8() -> None:
+    records = [record(0, 0, pool="fp8", output_tokens=30), record(1, 0, output_tokens=50),
+               record(2, 1, rejected=True)]
+    row = summarize(records, BUCKETS, SLA_, 1.0, RunTotals(), submitted=3, unfinished=0)
+    assert row["fp8_token_share"] == pytest.approx((10 + 30) / (10 + 30 + 10 + 50))
+    none = summarize([], BUCKETS, SLA_, 1.0, RunTotals(), submitted=0, unfinished=0)
+    assert none["fp8_token_share"] == 0.0
+
+
 # ---------------------------------------------------------------- accumulator, efficiency
 @pytest.mark.parametrize("computed,recomputed,expected", [
     (0, 0, math.nan), (100, 0, 1.0), (100, 25, 0.75), (10, 20, 0.0)])

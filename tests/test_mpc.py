@@ -6,11 +6,19 @@ from collections.abc import Sequence
 
 import pytest
 
-from policies.mpc import MpcConfig, MpcController, mpc_factory, rollout_score, trims
+from policies.mpc import (
+    MpcConfig,
+    MpcController,
+    mpc_factory,
+    rollout_score,
+    splits,
+    trims,
+)
 from rlbatch.control.action_codec import TOTAL_LADDER
 from rlbatch.control.controllers import make_controller
-from rlbatch.control.types import SLA, ControlAction, DeploymentStats
+from rlbatch.control.types import ANY_POOL, SLA, ControlAction, DeploymentStats
 from rlbatch.engine.base import Engine
+from rlbatch.engine.stats import FinishedRequest
 from rlbatch.request import Request
 from rlbatch.serving.admission import AdmissionConfig
 from rlbatch.serving.deployment import Deployment, DeploymentSpec, assemble_deployment
@@ -127,10 +135,44 @@ def test_candidates_cover_small_totals_and_are_codec_actions() -> None:
         loop.apply(c.decide(loop.tick()))
     totals = {TOTAL_LADDER[k[0]] for k in c.last_scores}
     assert {4, 8, 16, 32, 64, 128, 256} <= totals
-    assert c.action((TOTAL_LADDER.index(4), (3, 3, 3))) == ControlAction(
+    assert c.action((TOTAL_LADDER.index(4), (3, 3, 3), (0, 0, 0))) == ControlAction(
         (None,) * 3, ("fp16",) * 3, 4)
     assert c.last_proposal is not None and c.last_proposal.max_num_seqs in TOTAL_LADDER
     assert trims(4, 3) == [(3, 3, 2, 1), (3, 2, 1, 0), (3, 3, 3, 0)]
+
+
+def test_two_pools_try_the_balanced_route_and_short_long_splits() -> None:
+    assert splits(("fp16", "fp8", ANY_POOL), 3) == [(0, 1, 1), (0, 0, 1), (1, 0, 0), (1, 1, 0)]
+    assert splits(("fp16",), 3) == []
+    engines: list[Engine] = [sim_engine(0, "fp16"), sim_engine(1, "fp8")]
+    d = assemble_deployment(
+        engines, buckets=BUCKETS, admission=AdmissionConfig(), gpu="test", model="test",
+        max_model_len=512, block_size=16, default_max_num_seqs=8,
+        max_num_batched_tokens=256, tick_s=0.5)
+    c = MpcController(MpcConfig(horizon_s=4.0, every_s=2.0, window_s=2.0))
+    c.bind(DeploymentTwin(d))
+    first = c.reset(d.info)
+    assert first.pools == (ANY_POOL,) * 3  # the incumbent: least loaded
+    loop = ControlLoop(d, _requests(), first)
+    for _ in range(4):
+        loop.apply(c.decide(loop.tick()))
+    routes = {k[2] for k in c.last_scores}
+    assert routes == {(2, 2, 2), *splits(("fp16", "fp8", ANY_POOL), 3)}
+    assert sum(c.route_choices.values()) == 4 and c.row_extras()["mpc_routes_chosen"]
+
+
+def test_rollout_score_charges_the_fp8_quality_cost() -> None:
+    sla = SLA(ttft_s=2.0, tpot_s=0.1)
+
+    def rec(pool: str) -> FinishedRequest:
+        return FinishedRequest(request_id=0, bucket=0, pool=pool, arrival_s=1.0,
+                               prompt_tokens=10, output_tokens=5, ttft_s=0.1, tpot_s=0.01,
+                               e2e_s=0.2, finish_s=1.2)
+
+    result = Rollout(start_s=0.0, end_s=10.0, finished=[rec("fp16"), rec("fp8")], pending=[],
+                     queued=[])
+    assert rollout_score(result, sla, [2.0], fp8_cost=0.015) == pytest.approx(2.0 + 2 * 0.985)
+    assert rollout_score(result, sla, [2.0]) == 4.0
 
 
 def _workload(rows: Sequence[tuple[float, int, int]]) -> Workload:
@@ -142,7 +184,7 @@ def _decisions(workload: Workload, until_s: float) -> list[tuple[float, object, 
     seen: list[tuple[float, object, object]] = []
     decide = c._decide
 
-    def spy(now_s: float) -> tuple[int, tuple[int, ...]]:
+    def spy(now_s: float) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
         key = decide(now_s)
         if now_s < until_s:
             seen.append((now_s, key, dict(c.last_scores)))

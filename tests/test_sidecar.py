@@ -58,7 +58,8 @@ def fixed_policy(path: Path, caps: Sequence[int], pools: Sequence[str],
     (zero weights, one-hot head bias): a policy with a known answer."""
     n = len(edges) + 1
     ladder = list(DEFAULT_LADDER)
-    nvec = ActionCodec(ladder, list(pool_names), n).nvec
+    codec = ActionCodec(ladder, list(pool_names), n)
+    nvec, routes = codec.nvec, list(codec.routes)
     obs = observation_size(n)
     width = 8
     bias = np.zeros(sum(nvec), dtype=np.float32)
@@ -66,8 +67,8 @@ def fixed_policy(path: Path, caps: Sequence[int], pools: Sequence[str],
     for b in range(n):
         bias[offset + ladder.index(caps[b])] = 10.0
         offset += len(ladder)
-        bias[offset + list(pool_names).index(pools[b])] = 10.0
-        offset += len(pool_names)
+        bias[offset + routes.index(pools[b])] = 10.0
+        offset += len(routes)
     hidden = [(np.zeros((width, obs), np.float32), np.zeros(width, np.float32))]
     head = (np.zeros((sum(nvec), width), np.float32), bias)
     meta = {"nvec": nvec, "obs_size": obs, "ladder": ladder, "pools": list(pool_names),

@@ -263,6 +263,36 @@ def test_mixed_lengths_complete_and_caps_obeyed(servers: Servers, tmp_path: Path
     assert acc.Scalars("decision/batch_cap/0-128")[-1].value == 4.0
 
 
+def test_static_cap_balances_across_both_pools(servers: Servers, tmp_path: Path) -> None:
+    """A static cap does not choose pools: every bucket goes to the least-loaded upstream of
+    either pool (route ``any``), so both engines work and neither holds more than the cap."""
+
+    async def scenario(url: str) -> None:
+        poller = PeakRunning(servers)
+        watch = await poller.start()
+        async with aiohttp.ClientSession() as s:
+            before = {pool: await vllm_metric(s, getattr(servers, pool).url,
+                                              "vllm:generation_tokens_total")
+                      for pool in ("fp16", "fp8")}
+            outcomes = await asyncio.gather(*(
+                call(s, url, words=PROMPT_WORDS[i % 4], max_tokens=48, stream=i % 2 == 0,
+                     chat=False, seed=i) for i in range(24)))
+            poller.stop()
+            await watch
+            assert all(o.status == 200 and o.complete for o in outcomes)
+            for pool in ("fp16", "fp8"):
+                after = await vllm_metric(s, getattr(servers, pool).url,
+                                          "vllm:generation_tokens_total")
+                assert after > before[pool], (pool, before, after)
+            for pool in ("fp16", "fp8"):
+                assert await sidecar_metric(
+                    s, url, f'rlbatch:batch_cap{{bucket="0-128",pool="{pool}"}}') == float("inf")
+        assert max(poller.peak.values()) <= 4, poller.peak
+
+    with sidecar(servers, tmp_path, "--controller", "static:4") as (url, _):
+        asyncio.run(scenario(url))
+
+
 def test_shadow_mode_changes_nothing(servers: Servers, tmp_path: Path) -> None:
     policy = fixed_policy(tmp_path / "policy", [1, 1, 1, 1], ["fp8", "fp8", "fp8", "fp8"])
 

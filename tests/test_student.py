@@ -51,7 +51,7 @@ def test_static_cap_is_expressible() -> None:
 @pytest.mark.parametrize("action,message", [
     ([12, 0, 0, 0, 0, 0, 0, 0, 0], "total index 12"),
     ([0, 4, 0, 0, 0, 0, 0, 0, 0], "share index 4"),
-    ([0, 0, 2, 0, 0, 0, 0, 0, 0], "pool index 2"),
+    ([0, 0, 3, 0, 0, 0, 0, 0, 0], "pool index 3"),
     ([0, 0, 0], "shape"),
     ([0.5, 0, 0, 0, 0, 0, 0, 0, 0], "integers"),
 ])
@@ -97,7 +97,7 @@ def test_behaviour_cloning_fits_a_consistent_teacher(tmp_path: Path) -> None:
     actions[:, 1::2] = 3
     demos = Demonstrations(obs, actions)
     before = action_accuracy(policy, demos)
-    losses = fit_policy(policy, demos, epochs=150, batch_size=32, learning_rate=3e-3)
+    losses = fit_policy(policy, demos, epochs=300, batch_size=32, learning_rate=3e-3)
     assert losses[-1] < losses[0]
     assert before < 0.1 and action_accuracy(policy, demos) >= 0.95
 
@@ -156,3 +156,34 @@ def test_judge_fails_a_starving_candidate() -> None:
 def test_mpc_teacher_exposes_its_proposal() -> None:
     teacher = make_controller("mpc")
     assert hasattr(teacher, "last_proposal")
+
+
+def test_rate_multiplier_scales_every_protocol_run() -> None:
+    from policies.protocol import rate_multiplier_for, training_runs, unseen_runs
+
+    base, scaled = unseen_runs(), unseen_runs(2.5)
+    assert [r.rates for r in scaled] == [tuple(round(x * 2.5, 6) for x in r.rates)
+                                         for r in base]
+    assert [r.window for r in scaled] == [r.window for r in base]
+    assert training_runs(2.0)[0].rates == (1.0, 1.5, 1.8, 2.0)
+    assert rate_multiplier_for("a100-80g", "llama-2-7b", {"fp16": 1, "fp8": 1}) == 2.5
+    assert rate_multiplier_for("a100-80g", "llama-2-7b", {"fp16": 1}) == 1.0
+    assert rate_multiplier_for("h100-80g", "llama-2-7b", {"fp16": 1}) == 2.0
+    assert rate_multiplier_for("a100-80g", "llama-2-7b", {"fp16": 3}) == 1.0  # not measured
+    with pytest.raises(ValueError, match="rate multiplier"):
+        unseen_runs(0.0)
+
+
+def test_recipe_rate_multiplier_scales_training_workloads() -> None:
+    from policies.recipe import sample_workloads
+    from rlbatch.workload import load_trace
+
+    traces = [load_trace(t) for t in RecipeConfig().traces]
+    one = sample_workloads(RecipeConfig(generated_share=0.0), np.random.default_rng(3), 3,
+                           traces)
+    two = sample_workloads(RecipeConfig(generated_share=0.0, rate_multiplier=2.0),
+                           np.random.default_rng(3), 3, traces)
+    for a, b in zip(one, two, strict=True):
+        assert len(b) > len(a)  # the same draws at twice the rate: a longer stretch of trace
+    with pytest.raises(ValueError, match="rate_multiplier"):
+        RecipeConfig(rate_multiplier=0.0)

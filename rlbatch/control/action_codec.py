@@ -1,7 +1,9 @@
 """MultiDiscrete action <-> ControlAction, shared by the env, PPO serving and the sidecar.
 
 Two action kinds: ``per_bucket`` (a cap per bucket on a ladder, the first policies') and
-``total_share`` (an engine-wide total cap plus per-bucket shares of it).
+``total_share`` (an engine-wide total cap plus per-bucket shares of it). A bucket's route
+index points into :func:`~rlbatch.control.types.route_choices` of the pools: each pool,
+plus ``any`` (least loaded across pools) when there are several.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from rlbatch.control.types import ControlAction
+from rlbatch.control.types import ControlAction, route_choices
 
 
 class ActionCodec:
@@ -30,11 +32,12 @@ class ActionCodec:
                              f"{num_buckets}")
         self.ladder = tuple(int(c) for c in ladder)
         self.pools = tuple(pools)
+        self.routes = route_choices(self.pools)
         self.num_buckets = num_buckets
 
     @property
     def nvec(self) -> list[int]:
-        return [len(self.ladder), len(self.pools)] * self.num_buckets
+        return [len(self.ladder), len(self.routes)] * self.num_buckets
 
     def decode(self, action: np.ndarray | Sequence[int]) -> ControlAction:
         """Raise ValueError (naming the offending value) on anything that is not a valid
@@ -47,10 +50,10 @@ class ActionCodec:
             ci, pi = int(arr[2 * b]), int(arr[2 * b + 1])
             if not 0 <= ci < len(self.ladder):
                 raise ValueError(f"bucket {b}: cap index {ci} outside [0, {len(self.ladder)})")
-            if not 0 <= pi < len(self.pools):
-                raise ValueError(f"bucket {b}: pool index {pi} outside [0, {len(self.pools)})")
+            if not 0 <= pi < len(self.routes):
+                raise ValueError(f"bucket {b}: pool index {pi} outside [0, {len(self.routes)})")
             caps.append(self.ladder[ci])
-            pools.append(self.pools[pi])
+            pools.append(self.routes[pi])
         return ControlAction(tuple(caps), tuple(pools))
 
     def encode(self, action: ControlAction) -> np.ndarray:
@@ -59,7 +62,7 @@ class ActionCodec:
         for cap, pool in zip(action.caps, action.pools, strict=True):
             c = self.ladder[-1] if cap is None else cap
             idx = max((i for i, v in enumerate(self.ladder) if v <= c), default=0)
-            out.extend([idx, self.pools.index(pool) if pool in self.pools else 0])
+            out.extend([idx, self.routes.index(pool) if pool in self.routes else 0])
         return np.array(out, dtype=np.int64)
 
 
@@ -100,11 +103,12 @@ class TotalShareCodec:
         self.totals = tuple(int(t) for t in totals)
         self.shares = tuple(float(s) for s in shares)
         self.pools = tuple(pools)
+        self.routes = route_choices(self.pools)
         self.num_buckets = num_buckets
 
     @property
     def nvec(self) -> list[int]:
-        return [len(self.totals)] + [len(self.shares), len(self.pools)] * self.num_buckets
+        return [len(self.totals)] + [len(self.shares), len(self.routes)] * self.num_buckets
 
     def bucket_cap(self, total: int, share: float) -> int | None:
         """A bucket's cap under ``total`` at ``share`` (``None``: only the total limits it)."""
@@ -125,10 +129,10 @@ class TotalShareCodec:
             if not 0 <= si < len(self.shares):
                 raise ValueError(f"bucket {b}: share index {si} outside [0, "
                                  f"{len(self.shares)})")
-            if not 0 <= pi < len(self.pools):
-                raise ValueError(f"bucket {b}: pool index {pi} outside [0, {len(self.pools)})")
+            if not 0 <= pi < len(self.routes):
+                raise ValueError(f"bucket {b}: pool index {pi} outside [0, {len(self.routes)})")
             caps.append(self.bucket_cap(total, self.shares[si]))
-            pools.append(self.pools[pi])
+            pools.append(self.routes[pi])
         return ControlAction(tuple(caps), tuple(pools), total)
 
     def encode(self, action: ControlAction) -> np.ndarray:
@@ -149,7 +153,7 @@ class TotalShareCodec:
             else:
                 si = next(i for i, s in enumerate(self.shares)
                           if (self.bucket_cap(total, s) or total) >= cap)
-            out.extend([si, self.pools.index(pool) if pool in self.pools else 0])
+            out.extend([si, self.routes.index(pool) if pool in self.routes else 0])
         return np.array(out, dtype=np.int64)
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from importlib import metadata
 from typing import Protocol, runtime_checkable
 
-from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats
+from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats, balanced_route
 
 ENTRY_POINT_GROUP = "rlbatch.controllers"
 
@@ -45,9 +45,9 @@ class StaticController:
         self._action: ControlAction | None = None
 
     def reset(self, info: DeploymentInfo) -> ControlAction:
-        first_pool = info.pool_names[0]
         n = len(info.buckets)
-        self._action = ControlAction((None,) * n, (first_pool,) * n, self.max_num_seqs)
+        self._action = ControlAction((None,) * n, (balanced_route(info.pool_names),) * n,
+                                     self.max_num_seqs)
         return self._action
 
     def decide(self, stats: DeploymentStats) -> ControlAction:
@@ -64,9 +64,8 @@ class VllmDefaultController:
         self._action: ControlAction | None = None
 
     def reset(self, info: DeploymentInfo) -> ControlAction:
-        first_pool = info.pool_names[0]
         n = len(info.buckets)
-        self._action = ControlAction((None,) * n, (first_pool,) * n, None)
+        self._action = ControlAction((None,) * n, (balanced_route(info.pool_names),) * n, None)
         return self._action
 
     def decide(self, stats: DeploymentStats) -> ControlAction:

@@ -75,7 +75,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rlbatch.control.p99_trim import ProportionalTrim, nominal_lengths
-from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats
+from rlbatch.control.types import ANY_POOL, ControlAction, DeploymentInfo, DeploymentStats
 
 DEFAULT_LADDER: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 RULES: tuple[str, ...] = ("sanitize", "warmup", "kv_high", "p99", "efficiency", "kv_budget")
@@ -350,7 +350,7 @@ class Guard:
                 safe_cap = min(max(int(cap), 1), cfg.max_cap)
             if safe_cap != cap:
                 overrides.append(Override("sanitize", b, cap, safe_cap))
-            safe_pool = pool if pool in self._pools else self._pools[0]
+            safe_pool = pool if pool in self._pools or pool == ANY_POOL else self._pools[0]
             if safe_pool != pool:
                 overrides.append(Override("sanitize", b, pool, safe_pool))
             caps.append(safe_cap)

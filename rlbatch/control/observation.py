@@ -21,7 +21,7 @@ PER_BUCKET_FEATURES: tuple[str, ...] = (
     "arrival_rate",      # log1p(arrivals per s) / log1p(100)
     "running",           # requests inside engines / ladder max
     "cap",               # cap in force / ladder max
-    "pool",              # index of the pool in force / (pools - 1), 0 with one pool
+    "pool",              # pool in force: index / (pools - 1); any pool: 0.5; 0 with one pool
     "ttft_p99",          # window TTFT P99 / SLA TTFT
     "tpot_p99",          # window TPOT P99 / SLA TPOT
     "oldest_wait",       # wait of the queue head / SLA TTFT
@@ -144,8 +144,7 @@ class ObservationBuilder:
             out.append(math.log1p(max(stats.arrived[b], 0) / tick) / log_r)
             out.append(running[b] / self.max_cap)
             out.append((self.max_cap if cap is None else cap) / self.max_cap)
-            out.append(pools.index(pool) / (len(pools) - 1) if len(pools) > 1 and pool in pools
-                       else 0.0)
+            out.append(route_feature(pools, pool))
             out.append(w.ttft_p99_s[b] / sla.ttft_s)
             out.append(w.tpot_p99_s[b] / sla.tpot_s)
             out.append((stats.oldest_wait_s[b] if stats.oldest_wait_s else 0.0) / sla.ttft_s)
@@ -201,3 +200,13 @@ class ObservationBuilder:
         ratio = arr / dep if dep > 1e-6 else (CLIP if arr > 1e-6 else 1.0)
         return [*per_bucket, stats.running_total / TOTAL_NORM, total / TOTAL_NORM,
                 math.log1p(ratio), math.log1p(max(tr["doomed"][0], 0.0))]
+
+
+def route_feature(pools: tuple[str, ...], route: str) -> float:
+    """A bucket's route as one number: the pool's index / (pools - 1), 0.5 for the least-loaded
+    engine of any pool, 0 with one pool."""
+    if len(pools) < 2:
+        return 0.0
+    if route in pools:
+        return pools.index(route) / (len(pools) - 1)
+    return 0.5

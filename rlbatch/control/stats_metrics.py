@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rlbatch.control.guard import RULES
-from rlbatch.control.types import DeploymentStats
+from rlbatch.control.types import DeploymentStats, route_choices
 
 MetricKind = Literal["gauge", "counter"]
 LabelKind = Literal["none", "bucket", "pool", "rule"]
@@ -119,7 +119,8 @@ def _cap(cap: int | None) -> float:
 
 
 def _pool_index(ctx: MetricContext, pool: str) -> float:
-    return float(ctx.pool_names.index(pool)) if pool in ctx.pool_names else math.nan
+    routes = route_choices(ctx.pool_names)
+    return float(routes.index(pool)) if pool in routes else math.nan
 
 
 def _sla_attainment(stats: DeploymentStats) -> float:
@@ -181,7 +182,8 @@ METRICS: tuple[StatMetric, ...] = (
     # decision: the action in force during the tick
     StatMetric("batch_cap", "decision", "Batch cap in force (+Inf: no cap)", "gauge",
                "bucket", lambda s, c: tuple(_cap(cap) for cap in s.action.caps)),
-    StatMetric("pool_index", "decision", "Index of the pool the bucket is routed to",
+    StatMetric("pool_index", "decision", "Index of the route of the bucket (the pools in "
+               "order, then any pool: the least-loaded engine)",
                "gauge", "bucket", lambda s, c: tuple(_pool_index(c, p) for p in s.action.pools)),
     StatMetric("kv_budget_blocked", "decision", "The KV budget held a request back (0/1)",
                "gauge", "none", lambda s, c: (float(s.kv_budget_blocked),)),

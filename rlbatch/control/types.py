@@ -12,6 +12,23 @@ from dataclasses import dataclass
 from rlbatch.buckets import Buckets
 from rlbatch.engine.stats import EngineStats, FinishedRequest, batch_efficiency
 
+ANY_POOL = "any"
+"""Route a bucket to the least-loaded engine of the whole deployment, whatever its pool (what
+a load balancer in front of several ``vllm serve`` replicas does)."""
+
+
+def route_choices(pool_names: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """The routes a controller may set for a bucket: each pool, plus :data:`ANY_POOL` when
+    there is more than one (with one pool the two are the same route)."""
+    names = tuple(pool_names)
+    return (*names, ANY_POOL) if len(names) > 1 else names
+
+
+def balanced_route(pool_names: tuple[str, ...] | list[str]) -> str:
+    """The route of a controller that does not choose pools: the least-loaded engine of the
+    deployment (:data:`ANY_POOL`; with one pool, that pool's name)."""
+    return ANY_POOL if len(pool_names) > 1 else pool_names[0]
+
 
 @dataclass(frozen=True)
 class ControlAction:
@@ -20,7 +37,8 @@ class ControlAction:
     :param caps: per bucket, the most requests of that bucket an engine may hold (running or
         waiting inside it); ``None`` = no admission control for that bucket (requests go
         straight to the engine's own FIFO queue, as with a plain vLLM server).
-    :param pools: per bucket, the pool (``fp16`` / ``fp8``) its requests are routed to.
+    :param pools: per bucket, the pool (``fp16`` / ``fp8``) its requests are routed to, or
+        :data:`ANY_POOL`: the least-loaded engine of any pool.
     :param max_num_seqs: engine-wide cap on running sequences (vLLM ``--max-num-seqs``;
         live: the scheduler's ``max_num_active_reqs``); ``None`` keeps the engine default.
     :param kv_budget_fraction: admit a request into an engine only while the KV its

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from rlbatch.buckets import Buckets
-from rlbatch.control.types import ControlAction
+from rlbatch.control.types import ANY_POOL, ControlAction
 from rlbatch.engine.base import Engine
 from rlbatch.engine.fork import fork_state
 from rlbatch.engine.stats import FinishedRequest
@@ -152,7 +152,7 @@ class Admission:
             raise ValueError(f"action has {len(action.caps)} caps, deployment has "
                              f"{len(self.buckets)} buckets")
         for pool in action.pools:
-            if pool not in self.pools:
+            if pool not in self.pools and pool != ANY_POOL:
                 raise ValueError(f"action routes to pool {pool!r}; deployment pools: "
                                  f"{sorted(self.pools)}")
         self.caps = action.caps
@@ -198,10 +198,10 @@ class Admission:
         bound = self.config.max_queue_len
         if self.caps[bucket] is None:
             pool = self.routes[bucket]
-            if bound is not None and sum(
-                    e.num_waiting(bucket) for e in self.pools[pool]) >= bound:
+            engines = self.engines_of(pool)
+            if bound is not None and sum(e.num_waiting(bucket) for e in engines) >= bound:
                 return self._reject(request, bucket, "queue_full")
-            engine = _least_loaded(self.pools[pool])
+            engine = _least_loaded(engines)
             engine.add_request(request, bucket, prompt, truncated)
             if self.accepted is not None:
                 self.accepted.append((request.request_id, request.arrival_s, bucket))
@@ -267,7 +267,7 @@ class Admission:
             best = -1
             best_arrival = 0.0
             for b, queue in enumerate(queues):
-                if not queue or routes[b] != pool:
+                if not queue or (routes[b] != pool and routes[b] != ANY_POOL):
                     continue
                 cap = caps[b]
                 if cap is not None and engine.num_unfinished(b) >= cap:
@@ -320,10 +320,17 @@ class Admission:
         :param exclude: engine ids to skip (e.g. unreachable ones).
         :returns: the number admitted.
         """
-        engines = [e for e in self.pools[pool] if e.engine_id not in exclude]
+        engines = [e for e in self.engines_of(pool) if e.engine_id not in exclude]
         if len(engines) > 1:
             engines.sort(key=_load)
         return sum(self.admit(e) for e in engines)
+
+    def engines_of(self, pool: str) -> Sequence[Engine]:
+        """The engines a bucket routed to ``pool`` may go to (:data:`ANY_POOL`: all).
+
+        :param pool: a pool name or :data:`ANY_POOL`.
+        """
+        return self.engines if pool == ANY_POOL else self.pools[pool]
 
     def least_loaded(self, pool: str, *, bucket: int | None = None,
                      exclude: Collection[int] = ()) -> Engine | None:
@@ -335,7 +342,7 @@ class Admission:
         :returns: the engine, or ``None`` when none qualifies.
         """
         cap = None if bucket is None else self.caps[bucket]
-        candidates = [e for e in self.pools[pool] if e.engine_id not in exclude
+        candidates = [e for e in self.engines_of(pool) if e.engine_id not in exclude
                       and (cap is None or bucket is None or e.num_unfinished(bucket) < cap)]
         return _least_loaded(candidates) if candidates else None
 

@@ -293,6 +293,8 @@ def summarize(
     e2e = np.array([r.e2e_s for r in done], dtype=np.float64)
     met = np.array([meets_sla(r, sla) for r in done], dtype=bool)
     out_tokens = sum(r.output_tokens for r in done)
+    served_tokens = sum(r.prompt_tokens + r.output_tokens for r in done)
+    fp8_tokens = sum(r.prompt_tokens + r.output_tokens for r in done if r.pool == "fp8")
     decided = len(done) + rejected + unfinished
     per_bucket: dict[str, dict[str, Any]] = {}
     bucket_idx = np.array([r.bucket for r in done], dtype=np.int64)
@@ -338,6 +340,8 @@ def summarize(
         "prefill_tokens": totals.prefill_tokens,
         "decode_tokens": totals.decode_tokens,
         "batch_efficiency": totals.batch_efficiency,
+        # FP8 KV costs quality (the guide: <= 1.5%): how much of the work it served.
+        "fp8_token_share": fp8_tokens / served_tokens if served_tokens else 0.0,
         "per_bucket": per_bucket,
     }
 

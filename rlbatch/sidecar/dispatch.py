@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 
+from rlbatch.control.types import ANY_POOL
 from rlbatch.engine.stats import FinishedRequest
 from rlbatch.serving.admission import Admission, Queued, Rejected
 from rlbatch.sidecar.upstream import DONE, QUEUED, HttpUpstream, Ticket
@@ -39,6 +40,7 @@ class Dispatcher:
         self.tickets = tickets
         self.pools = pools
         self.by_pool = {p: [u for u in upstreams if u.pool == p] for p in self.pools}
+        self.by_pool[ANY_POOL] = list(upstreams)
 
     def pool_available(self, pool: str) -> bool:
         """Some upstream of ``pool`` is reachable.

@@ -81,7 +81,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from rlbatch.control.stats_metrics import METRICS, MetricContext, StatMetric
-from rlbatch.control.types import SLA, ControlAction, DeploymentStats
+from rlbatch.control.types import ANY_POOL, SLA, ControlAction, DeploymentStats
 
 OUTCOMES: tuple[str, ...] = ("ok", "rejected_queue_full", "rejected_too_long",
                              "queue_timeout", "upstream_error", "upstream_client_error",
@@ -218,14 +218,15 @@ def control_state_families(state: ControlState) -> Iterator[Metric]:
     """
     for metric_name, action, doc in (
             ("rlbatch:batch_cap", state.in_force, "Batch cap in force per bucket and pool "
-             "(0: bucket not routed to the pool; +Inf: no cap)"),
+             "(0: bucket not routed to the pool; +Inf: no cap; a bucket routed to any pool "
+             "shows its cap under each)"),
             ("rlbatch:decided_batch_cap", state.decided, "The controller's last decision "
              "per bucket and pool (0: not routed there; +Inf: no cap)")):
         fam = GaugeMetricFamily(metric_name, doc, labels=["bucket", "pool"])
         for b, name in enumerate(state.bucket_names):
             cap = action.caps[b]
             for pool in state.pools:
-                value = 0.0 if action.pools[b] != pool else (
+                value = 0.0 if action.pools[b] not in (pool, ANY_POOL) else (
                     math.inf if cap is None else float(cap))
                 fam.add_metric([name, pool], value)
         yield fam

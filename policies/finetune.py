@@ -1,0 +1,167 @@
+"""PPO fine-tuning of a behaviour-cloned student on the env's objective.
+
+The student (an SB3 ``ActorCriticPolicy`` fitted by :func:`policies.distill.fit_policy`) is
+loaded into a PPO model on ``rlbatch/BatchSize-v0`` with the student's action space
+(``total_share``), observation version and decision interval, and trained on the recipe's
+workloads (training windows only, most near the knee, :func:`policies.recipe.sample_workloads`)
+with the env's reward (goodput and fairness, :mod:`rlbatch.control.reward`).
+
+Rewards are scaled by the running standard deviation of the return (``VecNormalize``), and
+two things keep PPO from undoing the teacher's work: the value head, which behaviour cloning
+never trained, is fitted alone first (``value_warmup_rollouts``: the actor's parameters are
+left out of the optimiser, so the first advantages are not noise), and the step size and clip
+range are small. Whether the result is better is not assumed: the fine-tuned network is one
+more checkpoint for the recipe's selection on full-length validation windows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from rlbatch.workload import Workload
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """PPO settings of the fine-tuning phase.
+
+    :param steps: environment steps (decisions); 0 skips the phase.
+    :param n_steps: rollout length.
+    :param batch_size: minibatch.
+    :param n_epochs: passes per rollout.
+    :param learning_rate: Adam step size (small: the student is already good).
+    :param clip_range: PPO clip range.
+    :param ent_coef: entropy bonus (0: the student's entropy only shrinks).
+    :param gamma: discount per decision.
+    :param value_warmup_rollouts: rollouts that fit only the value head first.
+    """
+
+    steps: int = 8192
+    n_steps: int = 1024
+    batch_size: int = 128
+    n_epochs: int = 4
+    learning_rate: float = 1e-4
+    clip_range: float = 0.1
+    ent_coef: float = 0.0
+    gamma: float = 0.97
+    value_warmup_rollouts: int = 2
+
+    def __post_init__(self) -> None:
+        if self.steps < 0 or self.n_steps < 1 or self.batch_size < 1:
+            raise ValueError(f"fine-tuning needs steps >= 0, n_steps >= 1, batch_size >= 1; "
+                             f"got {self.steps}, {self.n_steps}, {self.batch_size}")
+
+
+class WorkloadSource(gym.Wrapper[Any, Any, Any, Any]):
+    """Feeds each episode a workload from ``draw`` (the recipe's sampler) instead of the env's
+    own scenario.
+
+    :param env: the env.
+    :param draw: returns the next episode's workload.
+    """
+
+    def __init__(self, env: gym.Env[Any, Any], draw: Callable[[], Workload]) -> None:
+        super().__init__(env)
+        self.draw = draw
+
+    def reset(self, *, seed: int | None = None,
+              options: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+        return self.env.reset(seed=seed, options={**(options or {}), "workload": self.draw()})
+
+
+def finetune(policy: Any, env_kwargs: dict[str, Any], draw: Callable[[], Workload],
+             cfg: FinetuneConfig, seed: int,
+             log: Callable[[str, float, int], None] | None = None) -> Any:
+    """Fine-tune ``policy`` in place with PPO; returns it.
+
+    :param policy: the student (SB3 ``ActorCriticPolicy`` matching the env's spaces).
+    :param env_kwargs: ``rlbatch/BatchSize-v0`` arguments (the student's action kind,
+        observation version, decision interval, deployment).
+    :param draw: the workload of each episode.
+    :param cfg: PPO settings.
+    :param seed: seed of PPO and the env.
+    :param log: TensorBoard scalars ``callable(tag, value, step)`` under ``finetune/``.
+    """
+    import torch
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.monitor import Monitor
+    from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
+
+    import envs
+
+    say = log or (lambda tag, value, step: None)
+    if cfg.steps == 0:
+        return policy
+
+    def make() -> gym.Env[Any, Any]:
+        return Monitor(WorkloadSource(gym.make(envs.ENV_ID, **env_kwargs), draw))
+
+    # Returns of hundreds per decision would swamp a fresh value head: scale rewards by
+    # their running return std (observations are already normalised by the env).
+    vec = VecNormalize(DummyVecEnv([make]), norm_obs=False, norm_reward=True,
+                       gamma=cfg.gamma)
+    arch = [layer.out_features for layer in policy.mlp_extractor.policy_net
+            if isinstance(layer, torch.nn.Linear)]
+    model = PPO("MlpPolicy", vec, learning_rate=cfg.learning_rate, n_steps=cfg.n_steps,
+                batch_size=cfg.batch_size, n_epochs=cfg.n_epochs, gamma=cfg.gamma,
+                clip_range=cfg.clip_range, ent_coef=cfg.ent_coef, seed=seed, verbose=0,
+                policy_kwargs={"net_arch": arch}, device="cpu")
+    model.policy.load_state_dict(policy.state_dict())
+    full_optimizer = model.policy.optimizer
+    value_params = [*model.policy.mlp_extractor.value_net.parameters(),
+                    *model.policy.value_net.parameters()]
+    rollouts = [0]
+
+    class Logger(BaseCallback):
+        def _on_rollout_end(self) -> None:
+            step = self.num_timesteps
+            episodes = [e["r"] for e in self.model.ep_info_buffer or ()]
+            if episodes:
+                say("finetune/episode_reward", float(np.mean(episodes)), step)
+            for key in ("train/value_loss", "train/approx_kl", "train/clip_fraction",
+                        "train/entropy_loss"):
+                value = self.model.logger.name_to_value.get(key)
+                if value is not None:
+                    say(f"finetune/{key.split('/')[1]}", float(value), step)
+            rollouts[0] += 1
+            warm = rollouts[0] <= cfg.value_warmup_rollouts
+            say("finetune/actor_frozen", float(warm), step)
+            self.model.policy.optimizer = (
+                torch.optim.Adam(value_params, lr=cfg.learning_rate) if warm
+                else full_optimizer)
+
+        def _on_step(self) -> bool:
+            return True
+
+    if cfg.value_warmup_rollouts > 0:
+        model.policy.optimizer = torch.optim.Adam(value_params, lr=cfg.learning_rate)
+    model.learn(total_timesteps=cfg.steps, callback=Logger(), progress_bar=False)
+    vec.close()
+    policy.load_state_dict(model.policy.state_dict())
+    return policy
+
+
+def recipe_env_kwargs(gpu: str, model: str, pools: str, episode_s: float, obs_version: int,
+                      decision_ticks: int) -> dict[str, Any]:
+    """The env arguments that give a recipe student's spaces and deployment."""
+    return {"gpu": gpu, "model": model, "pools": pools, "episode_s": episode_s,
+            "action_kind": "total_share", "obs_version": obs_version,
+            "decision_ticks": decision_ticks}
+
+
+def cycle(workloads: Sequence[Workload]) -> Callable[[], Workload]:
+    """A ``draw`` that returns ``workloads`` in turn, forever."""
+    state = [0]
+
+    def draw() -> Workload:
+        w = workloads[state[0] % len(workloads)]
+        state[0] += 1
+        return w
+
+    return draw

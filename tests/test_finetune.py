@@ -1,0 +1,67 @@
+"""PPO fine-tuning of a recipe student: the value head is fitted alone first, then the actor
+moves; the fine-tuned network still serves as a policy artifact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from policies.artifact import load_artifact
+from policies.finetune import FinetuneConfig, cycle, finetune, recipe_env_kwargs
+from policies.ppo import PpoController
+from policies.recipe import RecipeConfig, build_student, export_student
+from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, TotalShareCodec
+from rlbatch.control.observation import observation_size
+from rlbatch.serving.deployment import DeploymentSpec
+from rlbatch.serving.run import run
+from rlbatch.workload.scenarios import make_scenario
+
+CODEC = TotalShareCodec(TOTAL_LADDER, SHARE_LADDER, ("fp16",), 4)
+
+
+def _snapshot(policy: torch.nn.Module, part: str) -> list[np.ndarray]:
+    return [p.detach().numpy().copy() for name, p in policy.named_parameters()
+            if part in name]
+
+
+def _moved(before: list[np.ndarray], after: list[np.ndarray]) -> bool:
+    return any(not np.array_equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+@pytest.mark.parametrize("warmup,actor_moves", [(4, False), (0, True)])
+def test_value_warmup_leaves_the_actor_alone(tmp_path: Path, warmup: int,
+                                             actor_moves: bool) -> None:
+    cfg = RecipeConfig(out=str(tmp_path), net_arch=(8,))
+    policy = build_student(cfg, CODEC, observation_size(4, cfg.obs_version))
+    actor = _snapshot(policy, "policy_net") + _snapshot(policy, "action_net")
+    critic = _snapshot(policy, "value")
+    workload = make_scenario("day", seed=0, duration_s=40.0)
+    kwargs = recipe_env_kwargs(cfg.gpu, cfg.model, cfg.pools, 40.0, cfg.obs_version,
+                               cfg.decision_ticks)
+    logged: list[str] = []
+    finetune(policy, kwargs, cycle([workload]),
+             FinetuneConfig(steps=64, n_steps=16, batch_size=8, n_epochs=1,
+                            learning_rate=1e-2, value_warmup_rollouts=warmup),
+             seed=0, log=lambda tag, value, step: logged.append(tag))
+    assert _moved(critic, _snapshot(policy, "value"))
+    after = _snapshot(policy, "policy_net") + _snapshot(policy, "action_net")
+    assert _moved(actor, after) is actor_moves
+    assert "finetune/value_loss" in logged and "finetune/actor_frozen" in logged
+    # still a servable student artifact
+    path = export_student(policy, cfg, CODEC, tmp_path / "ft")
+    row = run(workload, PpoController(load_artifact(path), name="finetuned"),
+              DeploymentSpec()).row
+    assert row["completed"] + row["rejected"] + row["unfinished"] == row["submitted"]
+
+
+def test_zero_steps_is_a_no_op(tmp_path: Path) -> None:
+    cfg = RecipeConfig(out=str(tmp_path), net_arch=(8,))
+    policy = build_student(cfg, CODEC, observation_size(4, cfg.obs_version))
+    before = _snapshot(policy, "")
+    finetune(policy, {}, cycle([]), FinetuneConfig(steps=0), seed=0)
+    assert not _moved(before, _snapshot(policy, ""))
+    with pytest.raises(ValueError, match="steps >= 0"):
+        FinetuneConfig(steps=-1)
