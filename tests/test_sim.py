@@ -146,12 +146,15 @@ def test_event_skipping_equals_stepping(controller: str, workload_kind: str,
         assert on.row["preemptions"] > 0  # the comparison covered preemption
 
 
-def test_event_skipping_equals_stepping_two_pools_two_replicas(azure_trace: Path) -> None:
+@pytest.mark.parametrize("controller", ["static:16", "fixed:8/8/4/4"])
+def test_event_skipping_equals_stepping_two_pools_two_replicas(azure_trace: Path,
+                                                               controller: str) -> None:
+    # The controllers route every bucket to any pool: three engines share each queue.
     workload = load_trace(azure_trace, window_s=(0.0, 120.0), rate_scale=4.0)
     spec = DeploymentSpec(pools={"fp16": 2, "fp8": 1}, num_kv_blocks=2000)
 
-    on = run(workload, make_controller("static:16"), spec)
-    off = run(workload, make_controller("static:16"), replace(spec, event_skipping=False))
+    on = run(workload, make_controller(controller), spec)
+    off = run(workload, make_controller(controller), replace(spec, event_skipping=False))
     assert on.records and _records_by_id(on.records) == _records_by_id(off.records)
 
 

@@ -108,8 +108,13 @@ class Deployment:
         """What :meth:`run_until` calls on the engines, looked up once: a simulated engine's
         ``advance`` (it may run further between the boundaries looked at here) and, with one
         skipping engine, whether it would admit a request added now."""
-        self._advance = {id(e): getattr(e, "advance", e.step) for e in self.engines}
         single = self.engines[0] if len(self.engines) == 1 else None
+        # Several engines can share a bucket's queue (replicas of a pool, or a bucket routed
+        # to any pool): which one admits a queued request depends on how far each has run,
+        # so they keep step()'s boundaries (advance() runs further and would hand requests
+        # out in another order).
+        self._advance = {id(e): getattr(e, "advance", e.step) if single is not None else e.step
+                         for e in self.engines}
         skips = getattr(single, "event_skipping", False)
         self._holds = getattr(single, "holds_new_arrivals", None) if skips else None
         self._run_on = getattr(single, "advance", None) if skips else None
