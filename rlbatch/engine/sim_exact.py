@@ -140,24 +140,8 @@ class ExactScheduler:
             i += 1
 
         if not preempted:
-            while waiting and budget > 0 and len(running) < self._max_num_seqs:
-                seq = waiting[0]
-                remaining = seq.prompt_len + seq.num_output - seq.num_computed
-                n = remaining if remaining < budget else budget
-                need = -(-(seq.num_computed + n) // block) - seq.blocks
-                if need > free:
-                    break
-                waiting.popleft()
-                free -= need
-                seq.blocks += need
-                seq.order = self._order
-                self._order += 1
-                running.append(seq)
-                self._in_running[seq.bucket] += 1
-                sched.append((seq, n))
-                prefill_tokens += n
-                attn_work += n * (seq.num_computed + (n + 1) / 2)
-                budget -= n
+            budget, free, prefill_tokens, attn_work = self._admit_waiting(
+                sched, None, budget, free, prefill_tokens, attn_work)
 
         self._free_blocks = free
         if not sched:
@@ -165,19 +149,42 @@ class ExactScheduler:
             return
         now = self._advance(prefill_tokens, attn_work, num_decode, kv_decode)
         for seq, n in sched:
-            seq.num_computed += n
-            if seq.num_computed == seq.prompt_len + seq.num_output:
-                seq.num_output += 1
-                if seq.first_token_s < 0.0:
-                    seq.first_token_s = now
-                    self._first_tokens.append((seq.request_id, now))
-                if seq.num_output >= seq.max_output:
-                    self._finish(seq, now)
-                elif seq.num_output >= seq.grow_at:
-                    self._grow(seq)
+            self._account(seq, n, now)
         self._note_usage()
 
     # ----------------------------------------------------------------- shared pieces
+    def _admit_waiting(self, sched: list[tuple[SimSeq, int]], admitted: list[SimSeq] | None,
+                       budget: int, free: int, prefill_tokens: int,
+                       attn_work: float) -> tuple[int, int, int, float]:
+        """Start waiting requests (FIFO, vLLM's scheduler) while the token budget, the free
+        blocks and ``max_num_seqs`` allow: each joins ``running`` and ``sched`` (and
+        ``admitted`` when given). Returns the budget, free blocks, prefill tokens and
+        attention work after them."""
+        waiting = self._waiting
+        running = self._running
+        block = self._block_size
+        while waiting and budget > 0 and len(running) < self._max_num_seqs:
+            seq = waiting[0]
+            remaining = seq.prompt_len + seq.num_output - seq.num_computed
+            n = remaining if remaining < budget else budget
+            need = -(-(seq.num_computed + n) // block) - seq.blocks
+            if need > free:
+                break
+            waiting.popleft()
+            free -= need
+            seq.blocks += need
+            seq.order = self._order
+            self._order += 1
+            running.append(seq)
+            self._in_running[seq.bucket] += 1
+            sched.append((seq, n))
+            if admitted is not None:
+                admitted.append(seq)
+            prefill_tokens += n
+            attn_work += n * (seq.num_computed + (n + 1) / 2)
+            budget -= n
+        return budget, free, prefill_tokens, attn_work
+
     def _advance(self, prefill_tokens: int, attn_work: float, num_decode: int,
                  kv_decode: int) -> float:
         """Run the clock over one iteration of that composition; the new time."""

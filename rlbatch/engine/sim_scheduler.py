@@ -156,47 +156,15 @@ class SimScheduler(ExactScheduler):
                 budget -= n
         all_scheduled = len(sched) == len(explicit)
         running = self._running
-        waiting = self._waiting
         admitted: list[SimSeq] = []
-        while waiting and budget > 0 and len(running) < self._max_num_seqs:
-            seq = waiting[0]
-            remaining = seq.prompt_len + seq.num_output - seq.num_computed
-            n = remaining if remaining < budget else budget
-            need = -(-(seq.num_computed + n) // block) - seq.blocks
-            if need > free:
-                break
-            waiting.popleft()
-            free -= need
-            seq.blocks += need
-            seq.order = self._order
-            self._order += 1
-            running.append(seq)
-            self._in_running[seq.bucket] += 1
-            sched.append((seq, n))
-            admitted.append(seq)
-            prefill_tokens += n
-            attn_work += n * (seq.num_computed + (n + 1) / 2)
-            budget -= n
+        budget, free, prefill_tokens, attn_work = self._admit_waiting(
+            sched, admitted, budget, free, prefill_tokens, attn_work)
 
         self._free_blocks = free
-        if prefill_tokens == 0:
-            if not sched and not in_lane:
-                self._decode_run = False
-                return True  # nothing to run (as the exact path)
-            coeffs = self._decode_coeffs.get(num_decode)
-            if coeffs is None:
-                coeffs = self._coefficients(num_decode)
-            dt = coeffs[0] + coeffs[1] * kv_decode
-        else:
-            dt = self.step_model.step_time_s(prefill_tokens, attn_work, num_decode, kv_decode)
-        start = self._now
-        now = start + dt
-        self._last_start = start
-        self._now = now
-        self._busy_s += dt
-        self._iterations += 1
-        self._prefill_tokens += prefill_tokens
-        self._decode_tokens += num_decode
+        if prefill_tokens == 0 and not sched and not in_lane:
+            self._decode_run = False
+            return True  # nothing to run (as the exact path)
+        now = self._advance(prefill_tokens, attn_work, num_decode, kv_decode)
         before = len(running)
         lane.epoch = epoch = epoch + 1
         if in_lane and lane.finish_heap[0][0] <= epoch:
