@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 from policies.evaluation import final_comparison
 from policies.multiseed import protocol_comparison, run_seeds, seed_runs, tb_logger
@@ -120,18 +121,26 @@ def _rate_multiplier(args: argparse.Namespace) -> float:
     return rate_multiplier_for(args.gpu, args.model, args.pools)
 
 
+def _recipe_config(args: argparse.Namespace, traces: tuple[str, ...],
+                   **extra: Any) -> RecipeConfig:
+    """The recipe's configuration from the command line (``extra``: further fields).
+
+    :raises ValueError: an invalid option value.
+    """
+    return RecipeConfig(seed=args.seed, traces=traces, gpu=args.gpu, model=args.model,
+                        pools=format_pools(args.pools), teacher=args.teacher,
+                        episodes=args.episodes, episode_s=args.recipe_episode_s,
+                        dagger_rounds=args.dagger_rounds, dagger_episodes=args.dagger_episodes,
+                        decision_ticks=args.decision_ticks, epochs=args.epochs,
+                        finetune_steps=args.finetune_steps,
+                        rate_multiplier=_rate_multiplier(args), **extra)
+
+
 def main_distill(args: argparse.Namespace) -> int:
     traces = tuple(str(resolve_trace_ref(t)) for t in args.traces)
     out = Path(args.out or "runs/recipe")
     try:
-        cfg = RecipeConfig(seed=args.seed, traces=traces, gpu=args.gpu, model=args.model,
-                           pools=format_pools(args.pools), teacher=args.teacher,
-                           episodes=args.episodes, episode_s=args.recipe_episode_s,
-                           dagger_rounds=args.dagger_rounds,
-                           dagger_episodes=args.dagger_episodes,
-                           decision_ticks=args.decision_ticks, epochs=args.epochs,
-                           finetune_steps=args.finetune_steps,
-                           rate_multiplier=_rate_multiplier(args), out=str(out))
+        cfg = _recipe_config(args, traces, out=str(out))
     except ValueError as exc:
         print(f"train.py: error: {exc}", file=sys.stderr)
         return 2
@@ -200,14 +209,7 @@ def _base_config(args: argparse.Namespace) -> tuple[RecipeConfig | TrainConfig,
     traces = tuple(str(resolve_trace_ref(t)) for t in args.traces)
     base: RecipeConfig | TrainConfig
     if args.method == "distill":
-        base = RecipeConfig(seed=args.seed, traces=traces, gpu=args.gpu, model=args.model,
-                            pools=format_pools(args.pools), teacher=args.teacher,
-                            episodes=args.episodes, episode_s=args.recipe_episode_s,
-                            dagger_rounds=args.dagger_rounds,
-                            dagger_episodes=args.dagger_episodes,
-                            decision_ticks=args.decision_ticks, epochs=args.epochs,
-                            finetune_steps=args.finetune_steps,
-                            rate_multiplier=_rate_multiplier(args))
+        base = _recipe_config(args, traces)
         return base, base.spec()
     names = {f.name for f in fields(TrainConfig)}
     values = {k: v for k, v in vars(args).items() if k in names}

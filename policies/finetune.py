@@ -16,7 +16,7 @@ more checkpoint for the recipe's selection on full-length validation windows.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,6 +114,7 @@ def finetune(policy: Any, env_kwargs: dict[str, Any], draw: Callable[[], Workloa
                 policy_kwargs={"net_arch": arch}, device="cpu")
     model.policy.load_state_dict(policy.state_dict())
     full_optimizer = model.policy.optimizer
+    # The actor's parameters left out: the value head alone learns during the warm-up.
     value_params = [*model.policy.mlp_extractor.value_net.parameters(),
                     *model.policy.value_net.parameters()]
     rollouts = [0]
@@ -132,6 +133,8 @@ def finetune(policy: Any, env_kwargs: dict[str, Any], draw: Callable[[], Workloa
             rollouts[0] += 1
             warm = rollouts[0] <= cfg.value_warmup_rollouts
             say("finetune/actor_frozen", float(warm), step)
+            # called after each rollout, before PPO's update on it; a warm-up update gets a
+            # fresh optimiser over the value head (what the shipped seeds were trained with)
             self.model.policy.optimizer = (
                 torch.optim.Adam(value_params, lr=cfg.learning_rate) if warm
                 else full_optimizer)
@@ -139,8 +142,6 @@ def finetune(policy: Any, env_kwargs: dict[str, Any], draw: Callable[[], Workloa
         def _on_step(self) -> bool:
             return True
 
-    if cfg.value_warmup_rollouts > 0:
-        model.policy.optimizer = torch.optim.Adam(value_params, lr=cfg.learning_rate)
     model.learn(total_timesteps=cfg.steps, callback=Logger(), progress_bar=False)
     vec.close()
     policy.load_state_dict(model.policy.state_dict())
@@ -153,15 +154,3 @@ def recipe_env_kwargs(gpu: str, model: str, pools: str, episode_s: float, obs_ve
     return {"gpu": gpu, "model": model, "pools": pools, "episode_s": episode_s,
             "action_kind": "total_share", "obs_version": obs_version,
             "decision_ticks": decision_ticks}
-
-
-def cycle(workloads: Sequence[Workload]) -> Callable[[], Workload]:
-    """A ``draw`` that returns ``workloads`` in turn, forever."""
-    state = [0]
-
-    def draw() -> Workload:
-        w = workloads[state[0] % len(workloads)]
-        state[0] += 1
-        return w
-
-    return draw

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from policies.artifact import load_artifact
-from policies.finetune import FinetuneConfig, cycle, finetune, recipe_env_kwargs
+from policies.finetune import FinetuneConfig, finetune, recipe_env_kwargs
 from policies.ppo import PpoController
 from policies.recipe import RecipeConfig, build_student, export_student
 from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, TotalShareCodec
@@ -42,7 +42,7 @@ def test_value_warmup_leaves_the_actor_alone(tmp_path: Path, warmup: int,
     kwargs = recipe_env_kwargs(cfg.gpu, cfg.model, cfg.pools, 40.0, cfg.obs_version,
                                cfg.decision_ticks)
     logged: list[str] = []
-    finetune(policy, kwargs, cycle([workload]),
+    finetune(policy, kwargs, lambda: workload,
              FinetuneConfig(steps=64, n_steps=16, batch_size=8, n_epochs=1,
                             learning_rate=1e-2, value_warmup_rollouts=warmup),
              seed=0, log=lambda tag, value, step: logged.append(tag))
@@ -61,7 +61,8 @@ def test_zero_steps_is_a_no_op(tmp_path: Path) -> None:
     cfg = RecipeConfig(out=str(tmp_path), net_arch=(8,))
     policy = build_student(cfg, CODEC, observation_size(4, cfg.obs_version))
     before = _snapshot(policy, "")
-    finetune(policy, {}, cycle([]), FinetuneConfig(steps=0), seed=0)
+    finetune(policy, {}, lambda: make_scenario("day", seed=0, duration_s=1.0),
+             FinetuneConfig(steps=0), seed=0)
     assert not _moved(before, _snapshot(policy, ""))
     with pytest.raises(ValueError, match="steps >= 0"):
         FinetuneConfig(steps=-1)
