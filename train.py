@@ -26,7 +26,7 @@ from typing import Any
 from policies.evaluation import final_comparison
 from policies.multiseed import protocol_comparison, run_seeds, seed_runs, tb_logger
 from policies.protocol import render
-from policies.recipe import RecipeConfig, run_recipe
+from policies.recipe import RecipeConfig, parse_deployment, run_recipe
 from policies.training import TrainConfig, train
 from rlbatch.commands.argtypes import checked
 from rlbatch.commands.options import add_gpu_model_options, add_pools_option
@@ -41,6 +41,17 @@ def _seed_list(text: str) -> list[int]:
     if not seeds or len(set(seeds)) != len(seeds):
         raise ValueError(f"distinct comma-separated seeds, e.g. 0,1,2; got {text!r}")
     return seeds
+
+
+def _deployment_list(text: str) -> tuple[str, ...]:
+    if text.strip() == "none":
+        return ()
+    items = tuple(x.strip() for x in text.split(",") if x.strip())
+    for item in items:
+        parse_deployment(item)
+    if len(set(items)) != len(items):
+        raise ValueError(f"deployments repeat in {text!r}")
+    return items
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--decision-ticks", type=int, default=r.decision_ticks,
                    help="ticks between two student decisions")
     g.add_argument("--epochs", type=int, default=r.epochs, help="behaviour-cloning epochs")
+    g.add_argument("--train-deployments", type=checked(_deployment_list),
+                   default=",".join(r.deployments) or "none", metavar="GPU/MODEL,...",
+                   help="further GPU/model profiles to train over besides --gpu/--model "
+                        "(same pools), each workload served on one drawn uniformly at its "
+                        "measured rate multiplier; 'none': only --gpu/--model")
     g.add_argument("--finetune-steps", type=int, default=r.finetune_steps,
                    help="PPO fine-tuning decisions after DAgger (0: none); the fine-tuned "
                         "student is one more checkpoint for selection")
@@ -121,6 +137,11 @@ def _rate_multiplier(args: argparse.Namespace) -> float:
     return rate_multiplier_for(args.gpu, args.model, args.pools)
 
 
+def _deployments(args: argparse.Namespace) -> tuple[str, ...]:
+    value = args.train_deployments
+    return _deployment_list(value) if isinstance(value, str) else tuple(value)
+
+
 def _recipe_config(args: argparse.Namespace, traces: tuple[str, ...],
                    **extra: Any) -> RecipeConfig:
     """The recipe's configuration from the command line (``extra``: further fields).
@@ -133,6 +154,7 @@ def _recipe_config(args: argparse.Namespace, traces: tuple[str, ...],
                         dagger_rounds=args.dagger_rounds, dagger_episodes=args.dagger_episodes,
                         decision_ticks=args.decision_ticks, epochs=args.epochs,
                         finetune_steps=args.finetune_steps,
+                        deployments=_deployments(args),
                         rate_multiplier=_rate_multiplier(args), **extra)
 
 

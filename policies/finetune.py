@@ -16,7 +16,8 @@ more checkpoint for the recipe's selection on full-length validation windows.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,7 +78,7 @@ class WorkloadSource(gym.Wrapper[Any, Any, Any, Any]):
 def finetune(policy: Any, env_kwargs: dict[str, Any], draw: Callable[[], Workload],
              cfg: FinetuneConfig, seed: int,
              log: Callable[[str, float, int], None] | None = None) -> Any:
-    """Fine-tune ``policy`` in place with PPO; returns it.
+    """Fine-tune ``policy`` in place with PPO on one deployment; returns it.
 
     :param policy: the student (SB3 ``ActorCriticPolicy`` matching the env's spaces).
     :param env_kwargs: ``rlbatch/BatchSize-v0`` arguments (the student's action kind,
@@ -86,6 +87,18 @@ def finetune(policy: Any, env_kwargs: dict[str, Any], draw: Callable[[], Workloa
     :param cfg: PPO settings.
     :param seed: seed of PPO and the env.
     :param log: TensorBoard scalars ``callable(tag, value, step)`` under ``finetune/``.
+    """
+    return finetune_many(policy, [(env_kwargs, draw)], cfg, seed, log)
+
+
+def finetune_many(policy: Any,
+                  sources: Sequence[tuple[dict[str, Any], Callable[[], Workload]]],
+                  cfg: FinetuneConfig, seed: int,
+                  log: Callable[[str, float, int], None] | None = None) -> Any:
+    """:func:`finetune` over several deployments at once: one env per ``(env_kwargs, draw)``
+    source, stepped together; each rollout keeps about ``cfg.n_steps`` decisions in all.
+
+    :param sources: env arguments and workload drawer of each deployment (same spaces).
     """
     import torch
     from stable_baselines3 import PPO
@@ -99,16 +112,21 @@ def finetune(policy: Any, env_kwargs: dict[str, Any], draw: Callable[[], Workloa
     if cfg.steps == 0:
         return policy
 
-    def make() -> gym.Env[Any, Any]:
-        return Monitor(WorkloadSource(gym.make(envs.ENV_ID, **env_kwargs), draw))
+    if not sources:
+        raise ValueError("fine-tuning needs at least one deployment")
+
+    def maker(env_kwargs: dict[str, Any], draw: Callable[[], Workload]
+              ) -> Callable[[], gym.Env[Any, Any]]:
+        return lambda: Monitor(WorkloadSource(gym.make(envs.ENV_ID, **env_kwargs), draw))
 
     # Returns of hundreds per decision would swamp a fresh value head: scale rewards by
     # their running return std (observations are already normalised by the env).
-    vec = VecNormalize(DummyVecEnv([make]), norm_obs=False, norm_reward=True,
-                       gamma=cfg.gamma)
+    vec = VecNormalize(DummyVecEnv([maker(k, d) for k, d in sources]), norm_obs=False,
+                       norm_reward=True, gamma=cfg.gamma)
     arch = [layer.out_features for layer in policy.mlp_extractor.policy_net
             if isinstance(layer, torch.nn.Linear)]
-    model = PPO("MlpPolicy", vec, learning_rate=cfg.learning_rate, n_steps=cfg.n_steps,
+    model = PPO("MlpPolicy", vec, learning_rate=cfg.learning_rate,
+                n_steps=_steps_per_env(cfg, len(sources)),
                 batch_size=cfg.batch_size, n_epochs=cfg.n_epochs, gamma=cfg.gamma,
                 clip_range=cfg.clip_range, ent_coef=cfg.ent_coef, seed=seed, verbose=0,
                 policy_kwargs={"net_arch": arch}, device="cpu")
@@ -146,6 +164,13 @@ def finetune(policy: Any, env_kwargs: dict[str, Any], draw: Callable[[], Workloa
     vec.close()
     policy.load_state_dict(model.policy.state_dict())
     return policy
+
+
+def _steps_per_env(cfg: FinetuneConfig, n_envs: int) -> int:
+    """Rollout length per env: about ``cfg.n_steps`` in all, the whole rollout a multiple
+    of the minibatch (no truncated minibatch)."""
+    unit = cfg.batch_size // math.gcd(n_envs, cfg.batch_size)
+    return max(1, round(cfg.n_steps / n_envs / unit)) * unit
 
 
 def recipe_env_kwargs(gpu: str, model: str, pools: str, episode_s: float, obs_version: int,

@@ -26,7 +26,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,15 +34,16 @@ import numpy as np
 
 from policies.artifact import load_artifact, save_artifact
 from policies.distill import Demonstrations, LabellingController, collect, fit_policy
-from policies.finetune import FinetuneConfig, finetune, recipe_env_kwargs
+from policies.finetune import FinetuneConfig, finetune, finetune_many, recipe_env_kwargs
 from policies.ppo import PpoController
-from policies.protocol import training_window
+from policies.protocol import rate_multiplier_for, training_window
 from policies.training import eval_score, export_actor
 from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, TotalShareCodec
 from rlbatch.control.controllers import make_controller
 from rlbatch.control.observation import feature_names, observation_size
 from rlbatch.engine.config import parse_pools
 from rlbatch.paths import default_training_traces
+from rlbatch.profiles.specs import load_gpu, load_model
 from rlbatch.scale.tasks import TaskError
 from rlbatch.serving.admission import AdmissionConfig
 from rlbatch.serving.deployment import DeploymentSpec
@@ -81,6 +82,10 @@ class RecipeConfig:
     :param rate_multiplier: multiplies every trace rate scale and generated load (a
         deployment with more capacity than one A100 serving llama-2-7b needs more load to
         reach its knee; :data:`policies.protocol.RATE_MULTIPLIERS`).
+    :param deployments: further ``gpu/model`` profiles to train over besides ``gpu`` and
+        ``model`` (same pools): each workload is served on one of them, drawn uniformly, at
+        its own measured rate multiplier relative to the first deployment's; selection adds
+        their validation windows at the middle selection rate.
     :param out: run folder.
     """
 
@@ -91,14 +96,14 @@ class RecipeConfig:
     model: str = "llama-2-7b"
     pools: str = "fp16"
     teacher: str = "mpc"
-    episodes: int = 12
+    episodes: int = 24
     episode_s: float = 600.0
     knee_rates: tuple[float, float] = (0.7, 1.0)
     broad_rates: tuple[float, float] = (0.3, 1.2)
     knee_share: float = 0.7
     generated_share: float = 0.25
     dagger_rounds: int = 2
-    dagger_episodes: int = 6
+    dagger_episodes: int = 12
     decision_ticks: int = 5
     obs_version: int = 2
     net_arch: tuple[int, ...] = (64, 64)
@@ -107,6 +112,7 @@ class RecipeConfig:
     finetune_steps: int = 8192
     selection_rates: tuple[float, ...] = (0.6, 0.7, 0.8)
     rate_multiplier: float = 1.0
+    deployments: tuple[str, ...] = ("h100-80g/llama-2-7b", "a100-80g/llama-3.1-8b")
     out: str = "runs/recipe"
 
     def __post_init__(self) -> None:
@@ -122,10 +128,48 @@ class RecipeConfig:
         for name in ("knee_share", "generated_share"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        self.deployments = tuple(self.deployments)
+        trained = self.train_deployments()
+        if len(set(trained)) != len(trained):
+            raise ValueError(f"deployments repeat: {', '.join(self.deployments)}")
+        for gpu, model in trained:  # unknown profiles fail here, before any work
+            load_gpu(gpu)
+            load_model(model)
 
-    def spec(self) -> DeploymentSpec:
-        return DeploymentSpec(gpu=self.gpu, model=self.model, pools=parse_pools(self.pools),
+    def train_deployments(self) -> list[tuple[str, str]]:
+        """``(gpu, model)`` of every deployment trained on; the first is ``gpu``/``model``
+        (left out of ``deployments`` if listed there too)."""
+        first = (self.gpu, self.model)
+        return [first, *(d for d in map(parse_deployment, self.deployments) if d != first)]
+
+    def spec(self, deployment: int = 0) -> DeploymentSpec:
+        """The simulated deployment ``deployment`` (an index into
+        :meth:`train_deployments`)."""
+        gpu, model = self.train_deployments()[deployment]
+        return DeploymentSpec(gpu=gpu, model=model, pools=parse_pools(self.pools),
                               admission=AdmissionConfig(over_length="truncate"))
+
+    def multiplier(self, deployment: int = 0) -> float:
+        """Rate multiplier of a deployment: ``rate_multiplier`` times its capacity relative to
+        the first deployment's (the measured multipliers of one FP16 engine of each, so that
+        pools measured on one GPU/model carry over)."""
+        if deployment == 0:
+            return self.rate_multiplier
+        one = {"fp16": 1}
+        (gpu0, model0), (gpu, model) = (self.train_deployments()[i] for i in (0, deployment))
+        return (self.rate_multiplier * rate_multiplier_for(gpu, model, one)
+                / rate_multiplier_for(gpu0, model0, one))
+
+
+def parse_deployment(text: str) -> tuple[str, str]:
+    """``"gpu/model"`` -> ``(gpu, model)``.
+
+    :raises ValueError: not of that form.
+    """
+    gpu, sep, model = text.partition("/")
+    if not sep or not gpu or not model or "/" in model:
+        raise ValueError(f"a deployment is 'gpu/model' (e.g. h100-80g/llama-2-7b), got {text!r}")
+    return gpu, model
 
 
 def make_labeller(cfg: RecipeConfig, codec: TotalShareCodec,
@@ -143,12 +187,16 @@ def make_labeller(cfg: RecipeConfig, codec: TotalShareCodec,
                                max(codec.totals), cfg.decision_ticks, actor)
 
 
-def _episode_task(item: tuple[int, RecipeConfig, str | None], workload: Workload
+Episode = tuple[int, Workload]
+"""A training workload and the index of the deployment that serves it."""
+
+
+def _episode_task(item: tuple[int, RecipeConfig, str | None, int], workload: Workload
                   ) -> tuple[Demonstrations, list[dict[str, Any]]]:
     # One teacher / DAgger episode on a Ray worker: a fresh labeller (the teacher resets
     # fully every run, so this equals the one labeller the serial loop reuses).
-    _, cfg, student = item
-    spec = cfg.spec()
+    _, cfg, student, deployment = item
+    spec = cfg.spec(deployment)
     codec = TotalShareCodec(TOTAL_LADDER, SHARE_LADDER, tuple(spec.pools), len(spec.buckets))
     actor = None if student is None else PpoController(load_artifact(Path(student)),
                                                        name="student")
@@ -157,40 +205,57 @@ def _episode_task(item: tuple[int, RecipeConfig, str | None], workload: Workload
 
 def sample_workloads(cfg: RecipeConfig, rng: np.random.Generator, n: int,
                      traces: Sequence[Workload]) -> list[Workload]:
-    """Training workloads: slices of the training windows (mostly near the knee) and
-    generated traffic; never the held-back window.
+    """Training workloads of the first deployment (:func:`sample_episodes` without the
+    deployments)."""
+    return [w for _, w in sample_episodes(cfg, rng, n, traces)]
+
+
+def sample_episodes(cfg: RecipeConfig, rng: np.random.Generator, n: int,
+                    traces: Sequence[Workload]) -> list[Episode]:
+    """Training episodes: slices of the training windows (mostly near the knee) and
+    generated traffic, never the held-back window, each on a deployment drawn uniformly
+    from :meth:`RecipeConfig.train_deployments` (no draw with one deployment) and scaled
+    to its knee.
 
     :param traces: ``cfg.traces`` loaded, in order.
     """
-    out: list[Workload] = []
+    out: list[Episode] = []
+    n_dep = len(cfg.train_deployments())
     for _ in range(n):
+        deployment = int(rng.integers(n_dep)) if n_dep > 1 else 0
+        multiplier = cfg.multiplier(deployment)
         if not traces or rng.random() < cfg.generated_share:
             kind = ("bursty", "diurnal", "night", "day")[int(rng.integers(4))]
             load = float(np.exp(rng.uniform(np.log(0.8), np.log(2.0))))
-            out.append(make_scenario(kind, seed=int(rng.integers(2**31)),
-                                     duration_s=cfg.episode_s,
-                                     load_scale=load * cfg.rate_multiplier))
+            out.append((deployment, make_scenario(kind, seed=int(rng.integers(2**31)),
+                                                  duration_s=cfg.episode_s,
+                                                  load_scale=load * multiplier)))
             continue
         i = int(rng.integers(len(traces)))
         trace = traces[i]
         lo, hi = cfg.knee_rates if rng.random() < cfg.knee_share else cfg.broad_rates
-        scale = float(rng.uniform(lo, hi)) * cfg.rate_multiplier
+        scale = float(rng.uniform(lo, hi)) * multiplier
         _, end = training_window(cfg.traces[i])
         span = cfg.episode_s * scale
         start = float(rng.uniform(0.0, max(end - span, 0.0)))
-        out.append(slice_trace(trace, start, cfg.episode_s, scale))
+        out.append((deployment, slice_trace(trace, start, cfg.episode_s, scale)))
     return out
 
 
-def validation_workloads(cfg: RecipeConfig) -> list[tuple[str, Workload]]:
-    """Full-length windows of the training traffic (the whole training window of each
-    trace at each selection rate)."""
+def validation_workloads(cfg: RecipeConfig) -> list[tuple[str, int, Workload]]:
+    """Full-length windows of the training traffic: the whole training window of each trace
+    at each selection rate on the first deployment, at the middle selection rate on each
+    further one. Items: ``(name, deployment index, workload)``."""
     out = []
-    for t in cfg.traces:
-        window = training_window(t)
-        for rate in (r * cfg.rate_multiplier for r in cfg.selection_rates):
-            w = load_trace(t, rate_scale=rate, window_s=window)
-            out.append((f"{w.name}@{rate:g}", w))
+    middle = sorted(cfg.selection_rates)[len(cfg.selection_rates) // 2]
+    for d, (gpu, model) in enumerate(cfg.train_deployments()):
+        rates = cfg.selection_rates if d == 0 else (middle,)
+        for t in cfg.traces:
+            window = training_window(t)
+            for rate in (r * cfg.multiplier(d) for r in rates):
+                w = load_trace(t, rate_scale=rate, window_s=window)
+                name = f"{w.name}@{rate:g}" + ("" if d == 0 else f" on {gpu}/{model}")
+                out.append((name, d, w))
     return out
 
 
@@ -244,6 +309,7 @@ class Recipe:
         self.log = log or (lambda tag, value, step: None)
         spec = cfg.spec()
         self.spec = spec
+        self.specs = [cfg.spec(d) for d in range(len(cfg.train_deployments()))]
         self.codec = TotalShareCodec(TOTAL_LADDER, SHARE_LADDER, tuple(spec.pools),
                                      len(spec.buckets))
         self.obs_size = observation_size(len(spec.buckets), cfg.obs_version)
@@ -255,23 +321,28 @@ class Recipe:
     def labeller(self, actor: Any = None) -> LabellingController:
         return make_labeller(self.cfg, self.codec, actor)
 
-    def collect(self, workloads: Sequence[Workload], student: Path | None = None
+    def collect(self, episodes: Sequence[Episode], student: Path | None = None
                 ) -> tuple[Demonstrations, list[dict[str, Any]]]:
         """Run the teacher (or the student at ``student``, the teacher labelling) over the
-        workloads: here, or one Ray task per workload (workloads through the object store).
+        episodes, each on its deployment: here, or one Ray task per episode (workloads
+        through the object store).
 
         :raises RuntimeError: an episode failed twice on Ray (training needs every one).
         """
         if self.ray is None:
             actor = (None if student is None
                      else PpoController(load_artifact(student), name="student"))
-            return collect(self.labeller(actor), workloads, self.spec)
+            labeller = self.labeller(actor)
+            parts = [collect(labeller, [w], self.specs[d]) for d, w in episodes]
+            return (Demonstrations.concat([demos for demos, _ in parts]),
+                    [row for _, rows in parts for row in rows])
         from rlbatch.scale import connect, failed, run_tasks
 
         connect(self.ray)
-        items = [(i, self.cfg, None if student is None else str(student))
-                 for i in range(len(workloads))]
-        results = run_tasks(_episode_task, items, shared=dict(enumerate(workloads)),
+        items = [(i, self.cfg, None if student is None else str(student), d)
+                 for i, (d, _) in enumerate(episodes)]
+        workloads = {i: w for i, (_, w) in enumerate(episodes)}
+        results = run_tasks(_episode_task, items, shared=workloads,
                             shared_key=lambda item: item[0],
                             describe=lambda item: f"episode {item[0]} of seed {self.cfg.seed}",
                             desc="teacher" if student is None else "dagger")
@@ -283,8 +354,8 @@ class Recipe:
 
     def teacher_data(self) -> list[dict[str, Any]]:
         """Phase 1: the teacher drives; returns its run rows."""
-        workloads = sample_workloads(self.cfg, self.rng, self.cfg.episodes, self.traces)
-        demos, rows = self.collect(workloads)
+        episodes = sample_episodes(self.cfg, self.rng, self.cfg.episodes, self.traces)
+        demos, rows = self.collect(episodes)
         self.demos.append(demos)
         for i, row in enumerate(rows):
             self.log("teacher/goodput_rps", float(row["goodput_rps"] or 0.0), i)
@@ -307,9 +378,9 @@ class Recipe:
 
     def dagger_round(self, artifact: Path, round_: int) -> list[dict[str, Any]]:
         """Phase 3: the student (behind its guard) drives, the teacher labels."""
-        workloads = sample_workloads(self.cfg, self.rng, self.cfg.dagger_episodes,
-                                     self.traces)
-        demos, rows = self.collect(workloads, student=artifact)
+        episodes = sample_episodes(self.cfg, self.rng, self.cfg.dagger_episodes,
+                                   self.traces)
+        demos, rows = self.collect(episodes, student=artifact)
         self.demos.append(demos)
         for i, row in enumerate(rows):
             self.log("dagger/student_goodput_rps", float(row["goodput_rps"] or 0.0),
@@ -319,25 +390,38 @@ class Recipe:
     def finetune(self, policy: Any) -> Any:
         """Phase 4: PPO fine-tuning of ``policy`` (in place) on the recipe's workloads."""
         cfg = self.cfg
-        env_kwargs = recipe_env_kwargs(cfg.gpu, cfg.model, cfg.pools, cfg.episode_s,
-                                       cfg.obs_version, cfg.decision_ticks)
+        deployments = cfg.train_deployments()
+        if len(deployments) == 1:
+            env_kwargs = recipe_env_kwargs(cfg.gpu, cfg.model, cfg.pools, cfg.episode_s,
+                                           cfg.obs_version, cfg.decision_ticks)
 
-        def draw() -> Workload:
-            return sample_workloads(cfg, self.rng, 1, self.traces)[0]
+            def draw() -> Workload:
+                return sample_workloads(cfg, self.rng, 1, self.traces)[0]
 
-        return finetune(policy, env_kwargs, draw, FinetuneConfig(steps=cfg.finetune_steps),
-                        cfg.seed, self.log)
+            return finetune(policy, env_kwargs, draw,
+                            FinetuneConfig(steps=cfg.finetune_steps), cfg.seed, self.log)
+        # one env per deployment, each fed that deployment's workloads
+        sources = []
+        for d, (gpu, model) in enumerate(deployments):
+            one = replace(cfg, gpu=gpu, model=model, deployments=(),
+                          rate_multiplier=cfg.multiplier(d))
+            sources.append((recipe_env_kwargs(gpu, model, cfg.pools, cfg.episode_s,
+                                              cfg.obs_version, cfg.decision_ticks),
+                            _drawer(one, self.rng, self.traces)))
+        return finetune_many(policy, sources, FinetuneConfig(steps=cfg.finetune_steps),
+                             cfg.seed, self.log)
 
     def select(self, candidates: Sequence[Path]) -> tuple[Path, list[float]]:
         """Phase 4: score every checkpoint on full-length validation windows against the
         best static of each window; the best wins (ties: the later one)."""
         validation = validation_workloads(self.cfg)
-        statics = {name: [run(w, make_controller(s), self.spec).row for s in SELECTION_STATICS]
-                   for name, w in validation}
+        statics = {name: [run(w, make_controller(s), self.specs[d]).row
+                          for s in SELECTION_STATICS]
+                   for name, d, w in validation}
         scores = []
         for i, path in enumerate(candidates):
-            per = [eval_score(run(w, make_controller(f"ppo:{path}"), self.spec).row,
-                              statics[name]) for name, w in validation]
+            per = [eval_score(run(w, make_controller(f"ppo:{path}"), self.specs[d]).row,
+                              statics[name]) for name, d, w in validation]
             scores.append(float(np.mean(per)))
             self.log("select/score", scores[-1], i)
         best = max(range(len(candidates)), key=lambda i: (scores[i], i))
@@ -391,6 +475,13 @@ def run_recipe(cfg: RecipeConfig, log: Callable[[str, float, int], None] | None 
                "decisions": sum(len(d) for d in recipe.demos), "config": asdict(cfg)}
     (out / "recipe.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return summary
+
+
+def _drawer(cfg: RecipeConfig, rng: np.random.Generator,
+            traces: Sequence[Workload]) -> Callable[[], Workload]:
+    def draw() -> Workload:
+        return sample_workloads(cfg, rng, 1, traces)[0]
+    return draw
 
 
 def export_student_copy(src: Path, dst: Path, extra: dict[str, Any]) -> Path:

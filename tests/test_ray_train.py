@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from policies.multiseed import run_seeds, seed_runs, summary_table
-from policies.recipe import Recipe, RecipeConfig, sample_workloads
+from policies.recipe import Recipe, RecipeConfig, sample_episodes
 from rlbatch.scale import LOCAL, connect
 from rlbatch.scale.cluster import shutdown
 from rlbatch.tools.evaluate import comparable_rows
@@ -43,10 +43,13 @@ def test_teacher_episodes_on_ray_equal_serial(cluster: None, small_trace: Path,
                                               tmp_path: Path) -> None:
     cfg = _cfg(small_trace, tmp_path)
     serial, on_ray = Recipe(cfg), Recipe(cfg, ray=LOCAL)
-    workloads = sample_workloads(cfg, np.random.default_rng(3), 3, serial.traces)
-    demos_s, rows_s = serial.collect(workloads)
-    demos_r, rows_r = on_ray.collect(workloads)
+    episodes = sample_episodes(cfg, np.random.default_rng(3), 4, serial.traces)
+    assert len({d for d, _ in episodes}) > 1  # several deployments, each served on its own
+    demos_s, rows_s = serial.collect(episodes)
+    demos_r, rows_r = on_ray.collect(episodes)
     assert len(demos_s) > 0
+    assert [r["gpu"] + "/" + r["model"] for r in rows_s] == [
+        "/".join(cfg.train_deployments()[d]) for d, _ in episodes]
     np.testing.assert_array_equal(demos_r.obs, demos_s.obs)
     np.testing.assert_array_equal(demos_r.actions, demos_s.actions)
     assert comparable_rows(rows_r) == comparable_rows(rows_s)
