@@ -137,11 +137,6 @@ def _rate_multiplier(args: argparse.Namespace) -> float:
     return rate_multiplier_for(args.gpu, args.model, args.pools)
 
 
-def _deployments(args: argparse.Namespace) -> tuple[str, ...]:
-    value = args.train_deployments
-    return _deployment_list(value) if isinstance(value, str) else tuple(value)
-
-
 def _recipe_config(args: argparse.Namespace, traces: tuple[str, ...],
                    **extra: Any) -> RecipeConfig:
     """The recipe's configuration from the command line (``extra``: further fields).
@@ -154,7 +149,7 @@ def _recipe_config(args: argparse.Namespace, traces: tuple[str, ...],
                         dagger_rounds=args.dagger_rounds, dagger_episodes=args.dagger_episodes,
                         decision_ticks=args.decision_ticks, epochs=args.epochs,
                         finetune_steps=args.finetune_steps,
-                        deployments=_deployments(args),
+                        deployments=args.train_deployments,
                         rate_multiplier=_rate_multiplier(args), **extra)
 
 

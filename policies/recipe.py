@@ -34,7 +34,7 @@ import numpy as np
 
 from policies.artifact import load_artifact, save_artifact
 from policies.distill import Demonstrations, LabellingController, collect, fit_policy
-from policies.finetune import FinetuneConfig, finetune, finetune_many, recipe_env_kwargs
+from policies.finetune import FinetuneConfig, finetune_many, recipe_env_kwargs
 from policies.ppo import PpoController
 from policies.protocol import rate_multiplier_for, training_window
 from policies.training import eval_score, export_actor
@@ -156,9 +156,9 @@ class RecipeConfig:
         if deployment == 0:
             return self.rate_multiplier
         one = {"fp16": 1}
-        (gpu0, model0), (gpu, model) = (self.train_deployments()[i] for i in (0, deployment))
-        return (self.rate_multiplier * rate_multiplier_for(gpu, model, one)
-                / rate_multiplier_for(gpu0, model0, one))
+        deployments = self.train_deployments()
+        return (self.rate_multiplier * rate_multiplier_for(*deployments[deployment], one)
+                / rate_multiplier_for(*deployments[0], one))
 
 
 def parse_deployment(text: str) -> tuple[str, str]:
@@ -390,19 +390,10 @@ class Recipe:
     def finetune(self, policy: Any) -> Any:
         """Phase 4: PPO fine-tuning of ``policy`` (in place) on the recipe's workloads."""
         cfg = self.cfg
-        deployments = cfg.train_deployments()
-        if len(deployments) == 1:
-            env_kwargs = recipe_env_kwargs(cfg.gpu, cfg.model, cfg.pools, cfg.episode_s,
-                                           cfg.obs_version, cfg.decision_ticks)
-
-            def draw() -> Workload:
-                return sample_workloads(cfg, self.rng, 1, self.traces)[0]
-
-            return finetune(policy, env_kwargs, draw,
-                            FinetuneConfig(steps=cfg.finetune_steps), cfg.seed, self.log)
-        # one env per deployment, each fed that deployment's workloads
+        # one env per deployment, each fed that deployment's workloads (with one deployment
+        # the draws are sample_workloads(cfg, ...)'s: nothing draws a deployment)
         sources = []
-        for d, (gpu, model) in enumerate(deployments):
+        for d, (gpu, model) in enumerate(cfg.train_deployments()):
             one = replace(cfg, gpu=gpu, model=model, deployments=(),
                           rate_multiplier=cfg.multiplier(d))
             sources.append((recipe_env_kwargs(gpu, model, cfg.pools, cfg.episode_s,
