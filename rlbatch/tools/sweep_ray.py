@@ -15,7 +15,7 @@ from rlbatch.engine.config import Precision
 from rlbatch.scale.tasks import TaskError
 from rlbatch.tools.sweep.checklist import SweepResult, planned_max_batch
 from rlbatch.tools.sweep.engines import open_backend
-from rlbatch.tools.sweep.guide import GUIDE_CONFIGS, PointKey, admitted_seq_lens, guide_checks
+from rlbatch.tools.sweep.guide import PointKey, guide_checks, guide_point_keys
 from rlbatch.tools.sweep.point import SweepPoint, measure_point
 from rlbatch.tools.sweep.recommend import recommend
 from rlbatch.tools.sweep.spec import SweepSpec
@@ -35,15 +35,7 @@ def _keys(spec: SweepSpec, max_model_len: int) -> tuple[list[PointKey], list[Poi
     """The grid's points (``seq_len``-major, as the serial sweep) and the guide's extra ones."""
     grid: list[PointKey] = [(spec.precision, b, s) for s in spec.seq_lens
                             for b in spec.batches]
-    extra: list[PointKey] = []
-    if spec.check_guide:
-        for config in GUIDE_CONFIGS:
-            served, _ = admitted_seq_lens(config, spec.seq_lens, spec.output_len,
-                                          max_model_len)
-            for seq_len in served:
-                key: PointKey = (config.precision, config.batch, seq_len)
-                if key not in grid and key not in extra:
-                    extra.append(key)
+    extra = [key for key in guide_point_keys(spec, max_model_len) if key not in grid]
     return grid, extra
 
 

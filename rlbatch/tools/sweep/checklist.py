@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from rlbatch.engine.config import Precision
 from rlbatch.tools.sweep.backend import precision_note
@@ -13,8 +13,8 @@ from rlbatch.tools.sweep.guide import (
     GUIDE_CONFIGS,
     GuideCheck,
     PointKey,
-    admitted_seq_lens,
     guide_checks,
+    guide_point_keys,
 )
 from rlbatch.tools.sweep.memory import MemoryPlan
 from rlbatch.tools.sweep.point import SweepPoint, measure_point
@@ -224,15 +224,10 @@ def run_spec(spec: SweepSpec, on_point: PointCallback | None = None) -> SweepRes
         extra: list[SweepPoint] = []
         checks: list[GuideCheck] = []
         recs = recommend(points, spec.seq_lens, spec.output_len, plan_for(spec.precision))
-        if spec.check_guide:
-            for config in GUIDE_CONFIGS:
-                served, _ = admitted_seq_lens(config, spec.seq_lens, spec.output_len,
-                                              max_model_len)
-                for seq_len in served:
-                    key: PointKey = (config.precision, config.batch, seq_len)
-                    if key not in measured:
-                        measured[key] = measure(config.precision, config.batch, seq_len)
-                        extra.append(measured[key])
+        for key in guide_point_keys(spec, max_model_len):
+            if key not in measured:
+                measured[key] = measure(cast(Precision, key[0]), key[1], key[2])
+                extra.append(measured[key])
         info = backend.info()
         if spec.check_guide:
             checks = guide_checks(spec, measured, grid_keys, max_model_len, recs,

@@ -108,6 +108,22 @@ class GuideCheck:
         return asdict(self)
 
 
+def guide_point_keys(spec: SweepSpec, max_model_len: int) -> list[PointKey]:
+    """Every point the guide's checks read (each configuration at each length it serves),
+    in order, each once; empty when the sweep does not check the guide.
+
+    :param spec: the sweep.
+    :param max_model_len: the model's context limit.
+    """
+    keys: dict[PointKey, None] = {}
+    if spec.check_guide:
+        for config in GUIDE_CONFIGS:
+            served, _ = admitted_seq_lens(config, spec.seq_lens, spec.output_len,
+                                          max_model_len)
+            keys.update(((config.precision, config.batch, seq_len), None) for seq_len in served)
+    return list(keys)
+
+
 def _check_point(point: SweepPoint, source: str, sla: SweepSLA) -> dict[str, Any]:
     failures = point.sla_failures(sla)
     return {
