@@ -27,11 +27,33 @@ def test_declared_limit_is_max_tokens_or_the_rest_of_the_context() -> None:
 @pytest.mark.parametrize(("mode", "expected"), [
     ("oracle", 160),     # 100 + the real 50 -> 10 blocks
     ("declared", 512),   # no max_tokens: the whole context
-    ("observed", 512),   # nothing observed yet: the declared limit
+    ("observed", 512),   # nothing observed yet: the prior (4,096) is past the limit here
 ])
 def test_admission_count_by_mode(mode: str, expected: int) -> None:
     reserve = OutputReserve(mode, 1, 16, MAX_LEN)  # type: ignore[arg-type]
     assert reserve.at_admission(Request(0, 0.0, 100, 50), 0, 100) == expected
+
+
+@pytest.mark.parametrize(("mode", "max_tokens", "prior", "expected"), [
+    ("observed", None, 4096, 4208),     # 100 + 4,096 -> 263 blocks, not the 128k context
+    ("observed", None, 1000, 1104),     # 100 + 1,000 -> 69 blocks
+    ("observed", 2000, 4096, 2112),     # never above the request's own max_tokens
+    ("declared", None, 4096, 131072),   # declared ignores the prior
+])
+def test_cold_start_reserves_the_prior_on_a_long_context(mode: str, max_tokens: int | None,
+                                                         prior: int, expected: int) -> None:
+    reserve = OutputReserve(mode, 1, 16, 131072,  # type: ignore[arg-type]
+                            prior_output_tokens=prior)
+    assert reserve.at_admission(Request(0, 0.0, 100, 50, max_tokens=max_tokens), 0,
+                                100) == expected
+
+
+def test_prior_gives_way_to_the_observed_quantile() -> None:
+    reserve = OutputReserve("observed", 1, 16, 131072, quantile=1.0, min_samples=2)
+    reserve.observe(0, 40000)
+    assert reserve.at_admission(Request(0, 0.0, 100, 50), 0, 100) == 4208  # 1 < min_samples
+    reserve.observe(0, 40000)
+    assert reserve.at_admission(Request(0, 0.0, 100, 50), 0, 100) == 40112  # 100 + 40,000
 
 
 def test_observed_reserves_the_bucket_quantile_once_it_has_enough_completions() -> None:
@@ -126,6 +148,11 @@ def test_fork_does_not_feed_the_original_history() -> None:
 def test_bad_reserve_settings_are_refused(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError, match="kv_reserve"):
         EngineConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_a_prior_below_one_token_is_refused() -> None:
+    with pytest.raises(ValueError, match="prior_output_tokens"):
+        OutputReserve("observed", 1, 16, MAX_LEN, prior_output_tokens=0)
 
 
 def test_sidecar_upstream_counts_observed_outputs_after_enough_completions() -> None:

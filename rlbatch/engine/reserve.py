@@ -9,8 +9,12 @@ trace. ``observed`` (the default) counts what the engine's own recent completion
 * at admission a request reserves its prompt plus a high quantile of the outputs recently
   finished in its length bucket (``quantile``, over the last ``window`` completions), never
   more than its declared limit; until a bucket has ``min_samples`` completions the quantile
-  of all buckets' completions stands in, and until those are ``min_samples`` either the
-  declared limit (nothing known yet, so no bet is made);
+  of all buckets' completions stands in, and until those are ``min_samples`` either a prior
+  of ``prior_output_tokens`` (4,096) stands in. The prior matters on long-context models: a
+  request sent without ``max_tokens`` may run to the end of a 128k context, and counting it
+  there until 16 completions are seen held 97% of a cold start's admissions back on
+  Llama-3.1-8B (committed 0.92 of the pool while 0.11 was in use). On a 4k-context model the
+  prior is the limit, so nothing changes there;
 * a running request that has generated ``g`` tokens counts at least ``prompt + 2 g`` (a
   request that already ran long is likely to run as long again: output lengths are heavy
   tailed), capped at its limit. This is a pure function of the request's state, so event
@@ -29,6 +33,7 @@ from typing import Literal
 
 from rlbatch.request import Request
 
+PRIOR_OUTPUT_TOKENS = 4096
 KvReserveMode = Literal["observed", "declared", "oracle"]
 KV_RESERVE_MODES: tuple[KvReserveMode, ...] = ("observed", "declared", "oracle")
 
@@ -75,15 +80,20 @@ class OutputReserve:
     :param quantile: the output quantile reserved at admission (``observed``).
     :param window: completions kept per bucket.
     :param min_samples: completions a bucket needs before its quantile is trusted.
+    :param prior_output_tokens: output tokens reserved (``observed``) while no history has
+        ``min_samples`` completions yet.
     """
 
     def __init__(self, mode: KvReserveMode, num_buckets: int, block_size: int,
                  max_model_len: int, *, quantile: float = 0.9, window: int = 256,
-                 min_samples: int = 16) -> None:
+                 min_samples: int = 16, prior_output_tokens: int = PRIOR_OUTPUT_TOKENS) -> None:
         check_kv_reserve(mode, quantile)
         if window < 1 or not 1 <= min_samples <= window:
             raise ValueError(f"need window >= 1 and 1 <= min_samples <= window, got "
                              f"window={window}, min_samples={min_samples}")
+        if prior_output_tokens < 1:
+            raise ValueError(f"prior_output_tokens must be >= 1, got {prior_output_tokens}")
+        self.prior_output_tokens = prior_output_tokens
         self.mode: KvReserveMode = mode
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -150,15 +160,18 @@ class OutputReserve:
 
     def within(self, limit: int, bucket: int, prompt_tokens: int) -> int:
         """The admission count of a request whose limit is ``limit`` tokens: the limit, or
-        (``observed``) prompt + its bucket's expected output when that is less.
+        (``observed``) prompt + its bucket's expected output (the prior while nothing is
+        known) when that is less.
 
         :param limit: its KV at its limit (:meth:`limit_tokens`, or what the caller knows).
         :param bucket: its bucket.
         :param prompt_tokens: its prompt.
         """
-        expected = self.expected_output(bucket) if self.mode == "observed" else None
-        if expected is None:
+        if self.mode != "observed":
             return limit
+        expected = self.expected_output(bucket)
+        if expected is None:
+            expected = self.prior_output_tokens
         block = self.block_size
         tokens = -(-(prompt_tokens + expected) // block) * block  # round_to_blocks
         return tokens if tokens < limit else limit
