@@ -8,6 +8,7 @@ deployment is named the same way everywhere (DESIGN.md, command-line contract).
 Spellings: ``--gpu``, ``--model``, ``--pools fp16:1,fp8:1``, ``--tp``, ``--max-num-seqs``,
 ``--max-num-batched-tokens``, ``--gpu-memory-utilization``, ``--max-model-len``,
 ``--kv-cache-mib``, ``--buckets`` (edges), ``--over-length``, ``--max-queue-len``,
+``--no-event-skipping``, ``--no-prefix-caching``,
 ``--sla-ttft-s``, ``--sla-tpot-s``, ``--tick-s``, ``--seed``.
 """
 
@@ -125,6 +126,10 @@ def add_deployment_options(parser: argparse.ArgumentParser) -> None:
     add_buckets_option(g)
     g.add_argument("--no-event-skipping", action="store_true",
                    help="step every iteration (same results, slower; for checking)")
+    g.add_argument("--no-prefix-caching", action="store_true",
+                   help="simulated engines without vLLM's prefix caching (on by default, as "
+                        "in vLLM V1; only requests with prefix ids, e.g. Mooncake's, can "
+                        "hit)")
     s = parser.add_argument_group("control and SLA")
     s.add_argument("--cold-start", action="store_true",
                    help="runs start right after an engine start: the guard's warm-up ramp "
@@ -157,6 +162,7 @@ def deployment_spec_from_args(args: argparse.Namespace) -> DeploymentSpec:
         admission=AdmissionConfig(over_length=args.over_length,
                                   max_queue_len=args.max_queue_len),
         event_skipping=not args.no_event_skipping,
+        enable_prefix_caching=not args.no_prefix_caching,
         sla=sla_from_args(args), tick_s=args.tick_s,
         cold_start=args.cold_start, engine=args.engine, profile=args.profile,
         kv_reserve=args.kv_reserve, kv_reserve_quantile=args.kv_reserve_quantile)

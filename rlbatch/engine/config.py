@@ -45,6 +45,10 @@ class EngineConfig:
         it runs), ``declared`` (its ``max_tokens``, or the rest of the context) or ``oracle``
         (its real output: simulator comparisons only).
     :param kv_reserve_quantile: output quantile ``observed`` reserves at admission.
+    :param enable_prefix_caching: vLLM's automatic prefix caching (on by default in vLLM V1):
+        a request's leading prompt blocks that the KV pool still holds skip prefill
+        (:mod:`rlbatch.engine.prefix_cache`; only requests with prefix information, such as
+        Mooncake's ``hash_ids``, can hit).
     """
 
     max_num_seqs: int = 256
@@ -56,6 +60,7 @@ class EngineConfig:
     num_kv_blocks_override: int | None = None
     kv_reserve: KvReserveMode = "observed"
     kv_reserve_quantile: float = 0.9
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

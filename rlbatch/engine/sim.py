@@ -12,7 +12,11 @@ Semantics follow vLLM V1's scheduler (``v1/core/sched/scheduler.py``) with the F
   recompute (its blocks are freed, it returns to the front of the waiting queue, and its
   prompt plus the tokens generated so far are prefilled again later); waiting requests are
   not admitted in an iteration that preempted;
-* a waiting request is admitted only if its first chunk's blocks are free.
+* a waiting request is admitted only if its first chunk's blocks are free;
+* prefix caching (``EngineConfig.enable_prefix_caching``, on as in vLLM V1): a request with
+  prefix information (Mooncake ``hash_ids``) skips the prefill of its longest cached prefix
+  of full blocks, shared blocks are held once, and blocks nobody holds stay cached until an
+  allocation evicts them, least recently freed first (:mod:`rlbatch.engine.prefix_cache`).
 
 Event skipping: requests in steady decode advance together in a
 :class:`~rlbatch.engine.decode_lane.DecodeLane` (an iteration costs O(1) for them plus the
@@ -116,7 +120,7 @@ class SimEngine(SimScheduler):
         n = len(self._running)
         if n >= self._max_num_seqs or self._budget - n <= 0:
             return True
-        return bool(self._waiting) and self._admission_blocked()
+        return bool(self._waiting) and self._admission_blocked(hits_may_grow=True)
 
     def committed_tokens(self) -> int:
         self._sync_growth()
@@ -148,7 +152,11 @@ class SimEngine(SimScheduler):
             raise ValueError(
                 f"request {request.request_id}: prompt {prompt_tokens} + output "
                 f"{request.max_output_tokens} exceeds max_model_len {self.max_model_len}")
-        seq = SimSeq(request, bucket, prompt_tokens, truncated)
+        ids = request.prefix_ids
+        prefix = None
+        if ids and self._cache is not None:
+            prefix = (ids, request.prompt_tokens - prompt_tokens)  # a truncated prompt's tail
+        seq = SimSeq(request, bucket, prompt_tokens, truncated, prefix)
         reserve = self._reserve
         seq.kv_limit = reserve.limit_tokens(request, prompt_tokens)
         seq.committed = reserve.within(seq.kv_limit, bucket, prompt_tokens)
@@ -160,13 +168,19 @@ class SimEngine(SimScheduler):
     def fork(self) -> SimEngine:
         """An independent copy of the engine's state (a digital twin's fork): the step-time
         model and config shared, every sequence and counter copied (see
-        :func:`~rlbatch.engine.fork.fork_state`); the decode lane is emptied first (its
-        requests back to their own fields), so the copy starts with an empty lane of its own.
+        :func:`~rlbatch.engine.fork.fork_state`) and the prefix cache forked; the decode lane
+        is emptied first (its requests back to their own fields), so the copy starts with an
+        empty lane of its own.
         """
         self._leave_lane()
-        new = fork_state(self, SimSeq, share=("_reserve", "_lane"))
+        new = fork_state(self, SimSeq, share=("_reserve", "_lane", "_cache"))
         new._reserve = self._reserve.fork()
         new._lane = DecodeLane(self._block_size)
+        if self._cache is not None:
+            new._cache = self._cache.fork()
+            for seq in new._running:
+                if seq.layout is not None:
+                    seq.extents = seq.extents[:]  # a waiting one gets a new list when admitted
         return new
 
     def pending(self) -> list[tuple[int, float, float, int, int]]:
@@ -191,6 +205,10 @@ class SimEngine(SimScheduler):
         self._peak_used_blocks = self.num_kv_blocks - self._free_blocks
         self._finished = []
         self._first_tokens = []
+        cache = self._cache
+        # the prefix cache counts from its start: the interval's are the differences
+        self._prefix_counts = ((cache.queries, cache.hits, cache.evictions)
+                               if cache is not None else (0, 0, 0))
 
     def snapshot(self) -> EngineStats:
         running = self._in_running
@@ -199,6 +217,12 @@ class SimEngine(SimScheduler):
         waiting = [unfinished[b] - r for b, r in enumerate(running)]
         used = self.num_kv_blocks - self._free_blocks
         assert 0 <= self._free_blocks <= self.num_kv_blocks, self._free_blocks
+        queries, hits, evictions = self._prefix_counts
+        cache = self._cache
+        if cache is not None:
+            cache.sync(self._free_blocks)  # the evictions of the allocations made so far
+            queries, hits, evictions = (cache.queries - queries, cache.hits - hits,
+                                        cache.evictions - evictions)
         stats = EngineStats(
             engine_id=self.engine_id,
             pool=self.pool,
@@ -225,6 +249,9 @@ class SimEngine(SimScheduler):
             max_num_seqs=self._max_num_seqs,
             finished=tuple(self._finished),
             first_tokens=tuple(self._first_tokens),
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+            prefix_cache_evictions=evictions,
         )
         self._reset_interval()
         return stats
@@ -237,6 +264,20 @@ class SimEngine(SimScheduler):
         block = self._block_size
         lane = self._lane
         in_lane = 0
+        extents: dict[int, list[int]] = {}
+        for seq in self._running:
+            layout = seq.layout
+            if layout is None:
+                continue
+            assert seq.cached == sum(seq.extents)
+            registered = (layout[2][-1] if layout[2] else 0) - seq.uncached
+            assert seq.cached <= registered <= (
+                lane.blocks_of(seq) if seq.in_lane else seq.blocks)
+            for key, extent in zip(layout[0], seq.extents, strict=True):
+                if extent:
+                    extents.setdefault(key, []).append(extent)
+        for seq in self._waiting:
+            assert not seq.cached and seq.blocks == 0 and seq.num_computed == 0
         for seq in self._running:
             if seq.in_lane:
                 in_lane += 1
@@ -246,6 +287,10 @@ class SimEngine(SimScheduler):
                 assert seq.blocks == -(-seq.num_computed // block), (seq.blocks,
                                                                       seq.num_computed)
         assert in_lane == lane.n, (in_lane, lane.n)
+        if self._cache is not None:
+            self._cache.check(self._free_blocks, extents)
+            # a group's blocks held by several requests are held once: its largest extent
+            held -= sum(sum(e) - max(e) for e in extents.values())
         per_bucket = [0] * self.num_buckets
         for seq in self._running:
             per_bucket[seq.bucket] += 1

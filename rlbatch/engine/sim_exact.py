@@ -6,6 +6,12 @@ the rules are listed in :mod:`rlbatch.engine.sim`): every running request in ord
 admissions from the waiting queue, within the token budget, preempting the newest running
 request when a block allocation fails. This is the reference every faster path is held to
 (:class:`~rlbatch.engine.sim_scheduler.SimScheduler` adds those, bit-identical).
+
+With prefix caching (:mod:`rlbatch.engine.prefix_cache`) a waiting request with prefix
+information looks up its cached prefix when it is admitted: those tokens are computed already (its
+first chunk starts after them), the blocks it takes are held by reference, the blocks it
+fills get their hashes as they are scheduled, and a request that leaves the running list
+(finished or preempted) returns its blocks tail first, the cached ones to the LRU queue.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 from collections import deque
 
 from rlbatch.engine.config import EngineConfig
+from rlbatch.engine.prefix_cache import Layout, PrefixCache, prefix_layout
 from rlbatch.engine.reserve import OutputReserve
 from rlbatch.engine.sim_seq import SimSeq
 from rlbatch.engine.stats import FinishedRequest
@@ -69,10 +76,14 @@ class ExactScheduler:
         self._reserve = OutputReserve(config.kv_reserve, num_buckets, config.block_size,
                                       max_model_len, quantile=config.kv_reserve_quantile)
         self._decode_coeffs: dict[int, tuple[float, float]] = {}
+        self._cache = PrefixCache() if config.enable_prefix_caching else None
 
-    def _admission_blocked(self) -> bool:
+    def _admission_blocked(self, hits_may_grow: bool = False) -> bool:
         """No waiting request can be admitted at the next iteration, nor at any pure-decode
-        iteration after it (the running count stays, free blocks only shrink)."""
+        iteration after it (the running count stays, free blocks only shrink; an eviction
+        only shortens a prefix hit, which never lowers the first chunk's new blocks). With
+        ``hits_may_grow``, nor at any iteration before a request finishes (prefills may
+        cache more of the head's prefix: the hit is taken at its largest)."""
         waiting = self._waiting
         if not waiting:
             return True
@@ -82,6 +93,14 @@ class ExactScheduler:
             return True
         seq = waiting[0]
         remaining = seq.prompt_len + seq.num_output - seq.num_computed
+        if seq.prefix is not None:
+            # the first chunk's new blocks; a free cached block in the hit would cost one more
+            layout = self._layout(seq)
+            max_blocks = min(seq.uncached, (remaining - 1) // self._block_size)
+            if not hits_may_grow:
+                assert self._cache is not None
+                max_blocks = self._cache.lookup(layout, max_blocks, self._free_blocks)
+            remaining -= max_blocks * self._block_size
         chunk = remaining if remaining < budget else budget
         need = -(-(seq.num_computed + chunk) // self._block_size) - seq.blocks
         return need > self._free_blocks
@@ -113,7 +132,7 @@ class ExactScheduler:
                 while need > free:
                     victim = running.pop()
                     self._in_running[victim.bucket] -= 1
-                    free += victim.blocks
+                    free = self._release(victim, free)
                     self._recomputed_tokens += victim.num_computed
                     victim.blocks = 0
                     victim.num_computed = 0
@@ -130,6 +149,8 @@ class ExactScheduler:
                 free -= need
                 seq.blocks += need
             sched.append((seq, n))
+            if seq.uncached:
+                self._register(seq, seq.num_computed + n)
             if remaining == 1 and seq.num_computed > 0:
                 num_decode += 1
                 kv_decode += seq.num_computed + 1
@@ -163,16 +184,24 @@ class ExactScheduler:
         waiting = self._waiting
         running = self._running
         block = self._block_size
+        cache = self._cache
         while waiting and budget > 0 and len(running) < self._max_num_seqs:
             seq = waiting[0]
-            remaining = seq.prompt_len + seq.num_output - seq.num_computed
-            n = remaining if remaining < budget else budget
-            need = -(-(seq.num_computed + n) // block) - seq.blocks
-            if need > free:
-                break
+            if seq.prefix is None:
+                remaining = seq.prompt_len + seq.num_output - seq.num_computed
+                n = remaining if remaining < budget else budget
+                need = -(-(seq.num_computed + n) // block) - seq.blocks
+                if need > free:
+                    break
+                free -= need
+                seq.blocks += need
+            else:
+                n, free = self._take_cached_prefix(seq, budget, free)
+                if not n:
+                    break
             waiting.popleft()
-            free -= need
-            seq.blocks += need
+            if cache is not None and not seq.preemptions:
+                cache.queries += seq.prompt_len  # vLLM counts first lookups apart
             seq.order = self._order
             self._order += 1
             running.append(seq)
@@ -183,7 +212,92 @@ class ExactScheduler:
             prefill_tokens += n
             attn_work += n * (seq.num_computed + (n + 1) / 2)
             budget -= n
+            if seq.uncached:
+                self._register(seq, seq.num_computed + n)
         return budget, free, prefill_tokens, attn_work
+
+    # ----------------------------------------------------------------- prefix caching
+    def _take_cached_prefix(self, seq: SimSeq, budget: int, free: int) -> tuple[int, int]:
+        """Admit a waiting request with prefix information if its first chunk fits: its
+        cached prefix (at most ``num_tokens - 1`` tokens, whole blocks) is held and counts as
+        computed, the chunk after it gets new blocks (vLLM's ``get_computed_blocks`` then
+        ``allocate_slots``: a free cached block taken costs a free block as well).
+
+        :returns: the chunk's tokens (0: it does not fit, nothing changed) and the free
+            blocks after.
+        """
+        cache = self._cache
+        assert cache is not None
+        layout = self._layout(seq)
+        block = self._block_size
+        num_tokens = seq.prompt_len + seq.num_output
+        max_blocks = min(seq.uncached, (num_tokens - 1) // block)
+        least = num_tokens - max_blocks * block  # the chunk after the longest possible hit
+        if -(-(least if least < budget else budget) // block) > free:
+            return 0, free  # hopeless whatever is cached: no lookup
+        hit = cache.lookup(layout, max_blocks, free)
+        cached_tokens = hit * block
+        remaining = num_tokens - cached_tokens
+        n = remaining if remaining < budget else budget
+        taken = cache.evictable(layout, hit) if hit else 0
+        need = -(-n // block) + taken
+        if need > free:
+            return 0, free
+        seq.extents = [0] * len(layout[0])  # its own list (a fork shares a waiting one's)
+        if hit:
+            cache.touch(layout, hit, seq.extents)
+            seq.num_computed = cached_tokens
+        seq.cached = hit
+        seq.uncached -= hit
+        seq.blocks = hit + need - taken
+        if not seq.preemptions:
+            cache.hits += cached_tokens
+        return n, free - need
+
+    def _layout(self, seq: SimSeq) -> Layout:
+        """A request's block groups, derived at its first lookup (the waiting queue can hold
+        thousands of long prompts); ``uncached`` set to its hashed blocks."""
+        layout = seq.layout
+        if layout is None:
+            assert seq.prefix is not None
+            ids, start = seq.prefix
+            layout = seq.layout = prefix_layout(ids, start + seq.prompt_len, seq.prompt_len,
+                                                self._block_size)
+            seq.uncached = layout[2][-1] if layout[2] else 0
+        return layout
+
+    def _register(self, seq: SimSeq, tokens: int) -> None:
+        """The blocks a request's first ``tokens`` fill get their hashes (when scheduled, as
+        vLLM's ``cache_blocks``)."""
+        cache = self._cache
+        layout = seq.layout
+        assert cache is not None and layout is not None
+        total = layout[2][-1]
+        done = total - seq.uncached
+        end = tokens // self._block_size
+        if end > done:
+            if end > total:
+                end = total
+            seq.cached += cache.register(layout, seq.extents, done, end)
+            seq.uncached = total - end
+
+    def _release(self, seq: SimSeq, free: int) -> int:
+        """Free blocks after a running request returned its blocks (its ``blocks`` field is
+        left for the caller); its registration starts over when it is admitted again."""
+        cache = self._cache
+        layout = seq.layout
+        if layout is None:
+            if cache is None or not cache.free_cached:
+                return free + seq.blocks
+            return cache.release(None, seq.extents, 0, seq.blocks, free)
+        assert cache is not None
+        total = layout[2][-1] if layout[2] else 0
+        done = total - seq.uncached
+        seq.uncached = total
+        if not seq.cached and not cache.free_cached:
+            return free + seq.blocks
+        seq.cached = 0
+        return cache.release(layout, seq.extents, done, seq.blocks, free)
 
     def _advance(self, prefill_tokens: int, attn_work: float, num_decode: int,
                  kv_decode: int) -> float:
@@ -234,7 +348,7 @@ class ExactScheduler:
         self._running.remove(seq)
         self._in_running[seq.bucket] -= 1
         self._reserve.observe(seq.bucket, seq.num_output)
-        self._free_blocks += seq.blocks
+        self._free_blocks = self._release(seq, self._free_blocks)
         seq.blocks = 0
         self._unfinished[seq.bucket] -= 1
         self._committed_tokens -= seq.committed

@@ -147,6 +147,8 @@ class SimScheduler(ExactScheduler):
                 free -= need
                 seq.blocks += need
                 sched.append((seq, n))
+                if seq.uncached:
+                    self._register(seq, seq.num_computed + n)
                 if remaining == 1 and seq.num_computed > 0:
                     num_decode += 1
                     kv_decode += seq.num_computed + 1

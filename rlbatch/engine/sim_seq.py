@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rlbatch.engine.prefix_cache import Layout
 from rlbatch.request import Request
 
 
@@ -12,29 +13,42 @@ class SimSeq:
     (``in_lane``), ``num_output``, ``num_computed`` and ``blocks`` hold the values of when it
     joined; the lane derives the current ones from its counter (``DecodeLane.sync`` writes
     them back).
+
+    With prefix caching (:mod:`rlbatch.engine.prefix_cache`), ``prefix`` is its prefix
+    information ``(Mooncake ids, first kept token)``, ``None`` when it has none (nothing to
+    look up: the check on the hot path); ``layout`` the groups of its hashed blocks (derived
+    at its first lookup); ``extents`` its blocks held in each group; ``cached`` how many
+    cached blocks it holds; ``uncached`` how many of its hashed blocks were not registered
+    yet (0 when there is nothing to register: the other check on the hot path).
     """
 
     __slots__ = (
         "arrival_s",
         "blocks",
         "bucket",
+        "cached",
         "committed",
+        "extents",
         "first_token_s",
         "grow_at",
         "in_lane",
         "kv_limit",
+        "layout",
         "max_output",
         "num_computed",
         "num_output",
         "order",
         "out_base",
         "preemptions",
+        "prefix",
         "prompt_len",
         "request_id",
         "truncated",
+        "uncached",
     )
 
-    def __init__(self, request: Request, bucket: int, prompt_len: int, truncated: bool) -> None:
+    def __init__(self, request: Request, bucket: int, prompt_len: int, truncated: bool,
+                 prefix: tuple[tuple[int, ...], int] | None = None) -> None:
         self.request_id = request.request_id
         self.arrival_s = request.arrival_s
         self.bucket = bucket
@@ -56,3 +70,8 @@ class SimSeq:
         # decode lane: in it, and num_output = out_base + the lane's counter
         self.in_lane = False
         self.out_base = 0
+        self.prefix = prefix
+        self.layout: Layout | None = None
+        self.extents: list[int] = []
+        self.cached = 0
+        self.uncached = 0

@@ -103,6 +103,11 @@ class EngineStats:
     :param first_tokens: ``(request_id, time)`` of every request whose first output token
         came in the interval (what the control loop's TTFT-deadline accounting reads);
         empty from an engine that does not report them (the sidecar's HTTP upstreams).
+    :param prefix_cache_queries: prompt tokens of requests admitted for the first time in
+        the interval, looked up in the prefix cache (vLLM ``prefix_cache_queries``; 0 with
+        prefix caching off or from an engine that does not report it).
+    :param prefix_cache_hits: of those, tokens found cached (vLLM ``prefix_cache_hits``).
+    :param prefix_cache_evictions: cached KV blocks that lost their hash to an allocation.
     """
 
     engine_id: int
@@ -128,6 +133,9 @@ class EngineStats:
     max_num_seqs: int
     finished: tuple[FinishedRequest, ...]
     first_tokens: tuple[tuple[int, float], ...] = ()
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_evictions: int = 0
 
     @property
     def running_total(self) -> int:

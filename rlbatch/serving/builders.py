@@ -91,6 +91,7 @@ def build_sim_deployment(spec: DeploymentSpec) -> Deployment:
             num_kv_blocks_override=spec.num_kv_blocks,
             kv_reserve=spec.kv_reserve,
             kv_reserve_quantile=spec.kv_reserve_quantile,
+            enable_prefix_caching=spec.enable_prefix_caching,
         )
         step_model = RooflineStepTimeModel(gpu, model, precision=precision, tp=spec.tp,
                                            max_num_batched_tokens=max_tokens,
@@ -138,7 +139,8 @@ def profile_sim_engine(profile: CalibratedProfile, pool: str, engine_id: int,
                        num_kv_blocks: int | None = None, event_skipping: bool = True,
                        start_s: float = 0.0, max_model_len: int | None = None,
                        kv_reserve: KvReserveMode = "observed",
-                       kv_reserve_quantile: float = 0.9) -> SimEngine:
+                       kv_reserve_quantile: float = 0.9,
+                       enable_prefix_caching: bool = True) -> SimEngine:
     """A simulated engine standing in for ``pool``'s live engine of a calibrated profile.
 
     :param profile: the calibrated profile.
@@ -153,10 +155,12 @@ def profile_sim_engine(profile: CalibratedProfile, pool: str, engine_id: int,
     :param max_model_len: a shorter context than the measured engine's.
     :param kv_reserve: how the KV budget counts a request (:mod:`rlbatch.engine.reserve`).
     :param kv_reserve_quantile: output quantile ``observed`` reserves.
+    :param enable_prefix_caching: the simulator's prefix caching.
     """
     config = replace(profile_engine_config(profile, pool, max_num_seqs=max_num_seqs,
                                            max_num_batched_tokens=max_num_batched_tokens),
-                     kv_reserve=kv_reserve, kv_reserve_quantile=kv_reserve_quantile)
+                     kv_reserve=kv_reserve, kv_reserve_quantile=kv_reserve_quantile,
+                     enable_prefix_caching=enable_prefix_caching)
     return SimEngine(
         engine_id=engine_id, pool=pool, config=config,
         step_model=profile.step_time_model(pool),
@@ -193,7 +197,8 @@ def build_profile_deployment(spec: DeploymentSpec,
                 max_num_batched_tokens=spec.max_num_batched_tokens,
                 num_kv_blocks=spec.num_kv_blocks, event_skipping=spec.event_skipping,
                 max_model_len=max_model_len, kv_reserve=spec.kv_reserve,
-                kv_reserve_quantile=spec.kv_reserve_quantile)
+                kv_reserve_quantile=spec.kv_reserve_quantile,
+                enable_prefix_caching=spec.enable_prefix_caching)
             engines.append(eng)
     first = engines[0]
     return assemble_deployment(

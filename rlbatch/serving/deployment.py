@@ -50,6 +50,8 @@ class DeploymentSpec:
     :param kv_reserve: how the KV budget counts a request (``observed``, ``declared``,
         ``oracle``; :mod:`rlbatch.engine.reserve`).
     :param kv_reserve_quantile: output quantile ``observed`` reserves at admission.
+    :param enable_prefix_caching: the simulated engines cache prompt prefixes as vLLM V1
+        does by default (``EngineConfig.enable_prefix_caching``); live engines keep it off.
     """
 
     gpu: str = "a100-80g"
@@ -71,6 +73,7 @@ class DeploymentSpec:
     profile: str | None = None
     kv_reserve: KvReserveMode = "observed"
     kv_reserve_quantile: float = 0.9
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if not self.pools:

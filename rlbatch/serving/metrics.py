@@ -210,6 +210,10 @@ class RunTotals:
     :param gpu_memory_total_bytes: device memory, as the last snapshot reported it.
     :param num_kv_blocks: KV blocks of the last snapshot's engine.
     :param snapshots: snapshots folded in.
+    :param prefix_cache_queries: prompt tokens looked up in the prefix cache (first
+        admissions).
+    :param prefix_cache_hits: of those, tokens found cached.
+    :param prefix_cache_evictions: cached KV blocks evicted.
     """
 
     prefill_tokens: int = 0
@@ -227,6 +231,9 @@ class RunTotals:
     gpu_memory_total_bytes: int = 0
     num_kv_blocks: int = 0
     snapshots: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_evictions: int = 0
 
     def add(self, stats: EngineStats) -> None:
         """Fold one engine snapshot in.
@@ -250,6 +257,9 @@ class RunTotals:
         self.gpu_memory_total_bytes = stats.gpu_memory_total_bytes
         self.num_kv_blocks = stats.num_kv_blocks
         self.snapshots += 1
+        self.prefix_cache_queries += stats.prefix_cache_queries
+        self.prefix_cache_hits += stats.prefix_cache_hits
+        self.prefix_cache_evictions += stats.prefix_cache_evictions
 
     @property
     def batch_efficiency(self) -> float:
@@ -257,6 +267,13 @@ class RunTotals:
         :func:`rlbatch.engine.stats.batch_efficiency`)."""
         return batch_efficiency(self.prefill_tokens + self.decode_tokens,
                                 self.recomputed_tokens)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prefix-cache hits / queries in tokens (vLLM's hit rate); 0 without queries."""
+        if not self.prefix_cache_queries:
+            return 0.0
+        return self.prefix_cache_hits / self.prefix_cache_queries
 
 
 def _p(values: np.ndarray, q: float) -> float:
@@ -340,6 +357,10 @@ def summarize(
         "prefill_tokens": totals.prefill_tokens,
         "decode_tokens": totals.decode_tokens,
         "batch_efficiency": totals.batch_efficiency,
+        "prefix_hit_rate": totals.prefix_hit_rate,
+        "prefix_cache_hits": totals.prefix_cache_hits,
+        "prefix_cache_queries": totals.prefix_cache_queries,
+        "prefix_cache_evictions": totals.prefix_cache_evictions,
         # FP8 KV costs quality (the guide: <= 1.5%): how much of the work it served.
         "fp8_token_share": fp8_tokens / served_tokens if served_tokens else 0.0,
         "per_bucket": per_bucket,

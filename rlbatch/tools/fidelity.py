@@ -349,7 +349,8 @@ def run_fidelity(profile: CalibratedProfile, engine: VllmEngine, workload: Workl
     live = lives[0]
     sim_engine = profile_sim_engine(
         profile, engine.pool, 0, n, max_num_seqs=engine.configured_max_num_seqs,
-        max_num_batched_tokens=budget, num_kv_blocks=engine.num_kv_blocks)
+        max_num_batched_tokens=budget, num_kv_blocks=engine.num_kv_blocks,
+        enable_prefix_caching=False)  # as the live engine (rlbatch.engine.vllm.launch)
     sim_dep = _deployment([sim_engine], buckets, m, engine.block_size, budget, tick_s)
     sim = replay(sim_dep, workload.requests, action, drain_s=drain_s)
     report = compare(workload.name, engine.pool, len(workload.requests), live, sim)

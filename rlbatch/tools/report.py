@@ -26,6 +26,7 @@ _COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("preempt", "preemptions", "d"),
     ("overflow", "kv_overflows", "d"),
     ("KV peak", "kv_cache_usage_peak", "%"),
+    ("hit%", "prefix_hit_rate", "%"),
 )
 
 
