@@ -78,7 +78,8 @@ def _scaled(rates: tuple[float, ...], multiplier: float) -> tuple[float, ...]:
     return tuple(round(r * multiplier, 6) for r in rates)
 
 
-def unseen_runs(rate_multiplier: float = 1.0) -> list[RunSet]:
+def unseen_runs(rate_multiplier: float = 1.0,
+                mooncake_multiplier: float | None = None) -> list[RunSet]:
     """The traffic a shipped policy is judged on: the held-back later window of the Azure
     training trace and the Mooncake family, at rate scales that put the best static cap at
     20-95% SLA attainment on one A100 serving llama-2-7b (measured: BENCHMARKS.md,
@@ -86,13 +87,18 @@ def unseen_runs(rate_multiplier: float = 1.0) -> list[RunSet]:
 
     :param rate_multiplier: multiplies every rate scale, for deployments with more capacity
         (e.g. 2.5 for one FP16 and one FP8 engine, :data:`RATE_MULTIPLIERS`).
+    :param mooncake_multiplier: multiplies the Mooncake rate scales instead (``None``: the
+        same as ``rate_multiplier``). A long-context model serves Mooncake's 10-100k-token
+        prompts whole, where a 4k-context one truncates them, so its knee on Mooncake is not
+        where its knee on Azure is (:data:`MOONCAKE_RATE_MULTIPLIERS`).
     """
     azure = str(traces_dir() / "azure_conv_2023.csv")
     mooncake = str(traces_dir() / "mooncake_synthetic.jsonl")
     m = rate_multiplier
+    mm = rate_multiplier if mooncake_multiplier is None else mooncake_multiplier
     return [RunSet("azure held-back", azure, held_back_window(azure),
                    _scaled((0.8, 0.85, 0.9, 0.95), m), True),
-            RunSet("mooncake", mooncake, None, _scaled((0.5, 0.6, 0.75), m), True)]
+            RunSet("mooncake", mooncake, None, _scaled((0.5, 0.6, 0.75), mm), True)]
 
 
 def training_runs(rate_multiplier: float = 1.0) -> list[RunSet]:
@@ -110,10 +116,35 @@ RATE_MULTIPLIERS: dict[tuple[str, str, str], float] = {
     ("a100-80g", "llama-2-7b", "fp16:1,fp8:1"): 2.5,
     ("h100-80g", "llama-2-7b", "fp16:1"): 2.0,
     ("a100-80g", "llama-3.1-8b", "fp16:1"): 1.6,
+    ("h100-80g", "llama-3.1-8b", "fp16:1"): 4.4,
+    ("h200-141g", "llama-3.1-8b", "fp16:1"): 5.0,
+    ("h200-141g", "llama-3.1-70b", "fp16:1"): 2.0,
 }
-"""Measured rate multipliers (GPU, model, pools) that put the Azure runs of the protocol
-around the knee (BENCHMARKS.md, issue 14, stop 4): e.g. one FP16 engine and one FP8-KV
+"""Measured rate multipliers (GPU, model, pools; the model's default tensor parallelism) that
+put the Azure runs of the protocol around the knee (BENCHMARKS.md, issue 14, stop 4; issue 12,
+"Item 5" for the long-context ones): e.g. one FP16 engine and one FP8-KV
 engine serve about 2.5x the load of one FP16 engine within the SLA."""
+
+
+MOONCAKE_RATE_MULTIPLIERS: dict[tuple[str, str, str], float] = {
+    ("h100-80g", "llama-3.1-8b", "fp16:1"): 0.3,
+    ("h200-141g", "llama-3.1-8b", "fp16:1"): 0.4,
+    ("h200-141g", "llama-3.1-70b", "fp16:1"): 0.18,
+}
+"""Measured Mooncake rate multipliers of the long-context deployments (GPU, model, pools),
+where Mooncake's prompts are served whole (BENCHMARKS.md, issue 12, "Item 5"); a deployment
+not listed uses its :data:`RATE_MULTIPLIERS` entry for Mooncake too."""
+
+
+def mooncake_multiplier_for(gpu: str, model: str, pools: dict[str, int]) -> float | None:
+    """:data:`MOONCAKE_RATE_MULTIPLIERS` for a deployment (``None`` when not measured).
+
+    :param gpu: GPU profile name.
+    :param model: model profile name.
+    :param pools: engines per pool.
+    """
+    return MOONCAKE_RATE_MULTIPLIERS.get((gpu, model, ",".join(f"{p}:{n}"
+                                                                for p, n in pools.items())))
 
 
 def rate_multiplier_for(gpu: str, model: str, pools: dict[str, int]) -> float:
@@ -238,16 +269,17 @@ def render(rows: Sequence[dict[str, Any]], candidates: Sequence[str], pick: str)
 
 def evaluate_protocol(candidates: Sequence[str], spec: DeploymentSpec, *, n_jobs: int = 2,
                       quiet: bool = False, max_tokens: int | None = None,
-                      rate_multiplier: float = 1.0
+                      rate_multiplier: float = 1.0, mooncake_multiplier: float | None = None
                       ) -> tuple[list[dict[str, Any]], str, str]:
     """Run the training runs (for the user's pick) and the unseen runs; return the unseen
     rows, the user's pick and the Markdown report.
 
     :param max_tokens: the clients' declared output limit (``None``: none declared).
     :param rate_multiplier: multiplies every run's rate scale (:func:`unseen_runs`).
+    :param mooncake_multiplier: multiplies the Mooncake runs' instead (``None``: the same).
     """
     train_sets = training_runs(rate_multiplier)
-    unseen_sets = unseen_runs(rate_multiplier)
+    unseen_sets = unseen_runs(rate_multiplier, mooncake_multiplier)
     train_jobs = protocol_jobs([], spec, train_sets, max_tokens=max_tokens)
     unseen_jobs = protocol_jobs(candidates, spec, unseen_sets, max_tokens=max_tokens)
     rows = run_jobs([*train_jobs, *unseen_jobs], n_jobs=n_jobs, quiet=quiet, desc="protocol")
@@ -277,6 +309,11 @@ def main(argv: list[str] | None = None) -> int:
                         "capacity than one A100 serving llama-2-7b needs more load to be "
                         "contested); default: the measured one for the deployment "
                         "(RATE_MULTIPLIERS: 2.5 for --pools fp16:1,fp8:1), else 1")
+    p.add_argument("--mooncake-rate-multiplier", type=float, default=None, metavar="X",
+                   help="multiply the Mooncake runs' rate scales by X instead (a long-context "
+                        "model serves Mooncake's prompts whole, so its knee there is not its "
+                        "Azure knee); default: the measured one for the deployment "
+                        "(MOONCAKE_RATE_MULTIPLIERS), else the --rate-multiplier")
     add_deployment_options(p)
     # Mooncake prompts exceed a 4k context: the protocol truncates them (and counts them).
     p.set_defaults(over_length="truncate")
@@ -293,9 +330,14 @@ def main(argv: list[str] | None = None) -> int:
                   else args.rate_multiplier)
     if not multiplier > 0:
         p.error(f"--rate-multiplier must be > 0, got {multiplier}")
+    mooncake = (mooncake_multiplier_for(spec.gpu, spec.model, spec.pools)
+                if args.mooncake_rate_multiplier is None else args.mooncake_rate_multiplier)
+    if mooncake is not None and not mooncake > 0:
+        p.error(f"--mooncake-rate-multiplier must be > 0, got {mooncake}")
     rows, _pick, text = evaluate_protocol(candidates, spec, n_jobs=args.jobs,
                                           quiet=args.quiet, max_tokens=args.max_tokens,
-                                          rate_multiplier=multiplier)
+                                          rate_multiplier=multiplier,
+                                          mooncake_multiplier=mooncake)
     if args.json:
         write_json(args.json, rows)
     if args.markdown:

@@ -29,7 +29,7 @@ from rlbatch.profiles.roofline import expected_experts_touched
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GPUS = ["a100-80g", "h100-80g", "h200-141g"]
-MODELS = ["llama-2-7b", "llama-3.1-8b", "llama-2-70b", "deepseek-v3"]
+MODELS = ["llama-2-7b", "llama-3.1-8b", "llama-2-70b", "llama-3.1-70b", "deepseek-v3"]
 # (gpu, model) pairs whose weights fit at their default TP
 PAIRS = [(g, m) for g in GPUS for m in MODELS if m != "deepseek-v3" or g == "h200-141g"]
 GPU_OF_PREFIX = {"a100": "a100-80g", "h100": "h100-80g"}
@@ -94,6 +94,7 @@ def test_h200_reuses_h100_efficiency() -> None:
 
 @pytest.mark.parametrize(("name", "total_b", "activated_b"), [
     ("llama-2-7b", 6.74, 6.74), ("llama-3.1-8b", 8.03, 8.03), ("llama-2-70b", 69.0, 69.0),
+    ("llama-3.1-70b", 70.6, 70.6),
     ("deepseek-v3", 671.0, 37.0)])
 def test_load_model(name: str, total_b: float, activated_b: float) -> None:
     model = load_model(name)

@@ -174,6 +174,28 @@ def test_rate_multiplier_scales_every_protocol_run() -> None:
         unseen_runs(0.0)
 
 
+def test_mooncake_multiplier_scales_only_the_mooncake_runs() -> None:
+    from policies.protocol import mooncake_multiplier_for, unseen_runs
+
+    base, split = unseen_runs(5.0), unseen_runs(5.0, 0.4)
+    assert split[0] == base[0]  # the Azure runs keep the rate multiplier
+    assert split[1].name == "mooncake" and split[1].rates == (0.2, 0.24, 0.3)
+    assert unseen_runs(5.0, None) == base
+    assert mooncake_multiplier_for("h200-141g", "llama-3.1-8b", {"fp16": 1}) == 0.4
+    assert mooncake_multiplier_for("a100-80g", "llama-2-7b", {"fp16": 1}) is None
+    with pytest.raises(ValueError, match="rate multiplier"):
+        unseen_runs(1.0, 0.0)
+
+
+def test_protocol_refuses_a_bad_mooncake_multiplier(capsys: pytest.CaptureFixture[str]
+                                                     ) -> None:
+    from policies.protocol import main
+
+    with pytest.raises(SystemExit):
+        main(["--controllers", "fixed:256", "--mooncake-rate-multiplier", "-1"])
+    assert "--mooncake-rate-multiplier must be > 0" in capsys.readouterr().err
+
+
 def test_recipe_rate_multiplier_scales_training_workloads() -> None:
     from policies.recipe import sample_workloads
     from rlbatch.workload import load_trace
