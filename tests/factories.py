@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import signal
 import subprocess
+from collections.abc import Callable
 
 from hypothesis import strategies as st
 
@@ -15,6 +16,7 @@ from rlbatch.engine.reserve import KvReserveMode
 from rlbatch.engine.sim import SimEngine
 from rlbatch.engine.stats import EngineStats, FinishedRequest
 from rlbatch.profiles import StepTimeModel
+from rlbatch.request import Request
 
 BUCKETS = Buckets((64, 128))
 """Three buckets: prompts below 64 tokens, 64-127, 128 and up."""
@@ -146,3 +148,48 @@ def stop_child(proc: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(5)
+
+
+def replay(eng: SimEngine, arrivals: list[tuple[Request, int, int, bool]], caps: list[int], *,
+           call: str, tick_s: float = 0.25) -> list[EngineStats]:
+    """Replay arrivals ``(request, bucket, kept tokens, truncated)`` on ``eng`` as the
+    deployment does: at each boundary the arrivals due are added, then one ``call`` (``step``
+    or ``advance``) runs to the next arrival or tick, invariants checked after it; a snapshot
+    at every tick, after which the tick's cap is set.
+    """
+    run = getattr(eng, call)
+    snaps = []
+    idx = 0
+    for tick, cap in enumerate(caps, start=1):
+        t_stop = tick * tick_s
+        while eng.now_s < t_stop:
+            while idx < len(arrivals) and arrivals[idx][0].arrival_s <= eng.now_s:
+                eng.add_request(*arrivals[idx])
+                idx += 1
+            bound = min(arrivals[idx][0].arrival_s if idx < len(arrivals) else t_stop, t_stop)
+            if eng.is_idle():
+                eng.advance_idle(bound)
+            else:
+                run(bound)
+                eng.check_invariants()
+        snaps.append(eng.snapshot())
+        eng.set_max_num_seqs(cap)
+        if idx == len(arrivals) and eng.is_idle():
+            break
+    return snaps
+
+
+def assert_skipping_equals_stepping(drive: Callable[[bool, str], list[EngineStats]],
+                                    n_requests: int) -> None:
+    """Event skipping (``step`` and ``advance``) gives exactly the snapshots of stepping one
+    iteration at a time, and the stepped replay finishes all ``n_requests``.
+
+    :param drive: ``(skipping, call) -> snapshots`` of one replay.
+    """
+    ref = drive(False, "step")
+    assert sum(len(s.finished) for s in ref) == n_requests
+    for call in ("step", "advance"):
+        got = drive(True, call)
+        assert len(got) == len(ref), call
+        for a, b in zip(got, ref, strict=True):
+            assert a == b, (call, a.time_s)

@@ -27,6 +27,7 @@ from rlbatch.serving.admission import AdmissionConfig
 from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.serving.run import run
 from rlbatch.workload import load_trace
+from tests.factories import assert_skipping_equals_stepping, replay
 from tests.test_sim_lane import LinearStep
 
 MAX_MODEL_LEN = 2048
@@ -60,39 +61,16 @@ def _drive(cfg: EngineConfig, blocks: int, requests: list[tuple[Request, int]],
     eng = SimEngine(0, "fp16", cfg, LinearStep(), num_kv_blocks=blocks,
                     max_model_len=MAX_MODEL_LEN, gpu_memory_total_bytes=1 << 30,
                     num_buckets=4, event_skipping=skipping)
-    step = getattr(eng, call)
-    snaps = []
-    idx = 0
-    for tick, cap in enumerate(caps, start=1):
-        t_stop = tick * tick_s
-        while eng.now_s < t_stop:
-            while idx < len(requests) and requests[idx][0].arrival_s <= eng.now_s:
-                r, kept = requests[idx]
-                eng.add_request(r, min(kept // 500, 3), kept, kept < r.prompt_tokens)
-                idx += 1
-            bound = min(requests[idx][0].arrival_s if idx < len(requests) else t_stop, t_stop)
-            if eng.is_idle():
-                eng.advance_idle(bound)
-            else:
-                step(bound)
-                eng.check_invariants()
-        snaps.append(eng.snapshot())
-        eng.set_max_num_seqs(cap)
-        if idx == len(requests) and eng.is_idle():
-            break
-    return snaps
+    arrivals = [(r, min(kept // 500, 3), kept, kept < r.prompt_tokens) for r, kept in requests]
+    return replay(eng, arrivals, caps, call=call, tick_s=tick_s)
 
 
 @pytest.mark.parametrize("seed", range(30))
 def test_prefix_caching_skipping_equals_stepping(seed: int) -> None:
     cfg, blocks, requests, caps = _case(seed)
-    ref = _drive(cfg, blocks, requests, caps, skipping=False, call="step")
-    assert sum(len(s.finished) for s in ref) == len(requests)
-    for call in ("step", "advance"):
-        got = _drive(cfg, blocks, requests, caps, skipping=True, call=call)
-        assert len(got) == len(ref), call
-        for a, b in zip(got, ref, strict=True):
-            assert a == b, (call, a.time_s)
+    assert_skipping_equals_stepping(
+        lambda skipping, call: _drive(cfg, blocks, requests, caps, skipping=skipping, call=call),
+        len(requests))
 
 
 def test_cases_cover_hits_evictions_and_preemption() -> None:

@@ -20,6 +20,7 @@ from rlbatch.engine.sim import SimEngine
 from rlbatch.engine.stats import EngineStats
 from rlbatch.profiles import StepTimeModel
 from rlbatch.request import Request
+from tests.factories import assert_skipping_equals_stepping, replay
 
 
 class LinearStep(StepTimeModel):
@@ -58,39 +59,16 @@ def _drive(cfg: EngineConfig, blocks: int, requests: list[Request], caps: list[i
     added, then one call runs to the next arrival or tick; a snapshot at every tick."""
     eng = SimEngine(0, "fp16", cfg, LinearStep(), num_kv_blocks=blocks, max_model_len=640,
                     gpu_memory_total_bytes=1 << 30, num_buckets=4, event_skipping=skipping)
-    run = getattr(eng, call)
-    snaps = []
-    idx = 0
-    for tick, cap in enumerate(caps, start=1):
-        t_stop = tick * tick_s
-        while eng.now_s < t_stop:
-            while idx < len(requests) and requests[idx].arrival_s <= eng.now_s:
-                r = requests[idx]
-                eng.add_request(r, min(r.prompt_tokens // 100, 3), r.prompt_tokens, False)
-                idx += 1
-            bound = min(requests[idx].arrival_s if idx < len(requests) else t_stop, t_stop)
-            if eng.is_idle():
-                eng.advance_idle(bound)
-            else:
-                run(bound)
-                eng.check_invariants()
-        snaps.append(eng.snapshot())
-        eng.set_max_num_seqs(cap)
-        if idx == len(requests) and eng.is_idle():
-            break
-    return snaps
+    arrivals = [(r, min(r.prompt_tokens // 100, 3), r.prompt_tokens, False) for r in requests]
+    return replay(eng, arrivals, caps, call=call, tick_s=tick_s)
 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_lane_and_runs_equal_stepping(seed: int) -> None:
     cfg, blocks, requests, caps = _case(seed)
-    ref = _drive(cfg, blocks, requests, caps, skipping=False, call="step")
-    assert sum(len(s.finished) for s in ref) == len(requests)
-    for call in ("step", "advance"):
-        got = _drive(cfg, blocks, requests, caps, skipping=True, call=call)
-        assert len(got) == len(ref), call
-        for a, b in zip(got, ref, strict=True):
-            assert a == b, (call, a.time_s)
+    assert_skipping_equals_stepping(
+        lambda skipping, call: _drive(cfg, blocks, requests, caps, skipping=skipping, call=call),
+        len(requests))
 
 
 def test_cases_cover_preemption_chunking_and_the_lane() -> None:
