@@ -1,6 +1,11 @@
 """Env step cost: median and P99 microseconds per control tick, random actions.
 
     .venv/bin/python benchmarks/bench_env.py [--scenario mixed] [--steps 5000]
+    .venv/bin/python benchmarks/bench_env.py --no-ppo --gpu h200-141g --model llama-3.1-8b \
+        --scenario ../shared/data/traces/mooncake_synthetic.jsonl --kv-offload-gib 256
+
+``--gpu``, ``--model`` and ``--kv-offload-gib`` change the env's simulated deployment (the
+host KV tier engages only on traffic with prefix ids, e.g. Mooncake slices).
 
 Also times SB3's PPO overhead per step on the same machine (a rollout + update of a small
 run, divided by steps) so the two figures are comparable.
@@ -10,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 import gymnasium as gym
 import numpy as np
@@ -22,24 +28,37 @@ def main() -> int:
     parser.add_argument("--scenario", default="mixed")
     parser.add_argument("--steps", type=int, default=5000)
     parser.add_argument("--ppo-steps", type=int, default=2048)
+    parser.add_argument("--gpu", default="a100-80g")
+    parser.add_argument("--model", default="llama-2-7b")
+    parser.add_argument("--kv-offload-gib", type=float, default=0.0)
+    parser.add_argument("--no-ppo", action="store_true", help="skip the PPO figure")
     args = parser.parse_args()
-    env = gym.make(envs.ENV_ID, scenario=args.scenario)
+    env = gym.make(envs.ENV_ID, scenario=args.scenario, gpu=args.gpu, model=args.model)
+    inner = env.unwrapped
+    inner.deployment_spec = replace(inner.deployment_spec,  # type: ignore[attr-defined]
+                                    kv_offload_gib=args.kv_offload_gib)
     env.action_space.seed(0)
     env.reset(seed=0)
     times = []
     resets = 0
+    loaded = 0
     for _ in range(args.steps):
         action = env.action_space.sample()
         t0 = time.perf_counter()
         _, _, terminated, truncated, _ = env.step(action)
         times.append(time.perf_counter() - t0)
+        loaded += sum(e.kv_offload_loaded_blocks
+                      for e in inner._last_stats.engines)  # type: ignore[attr-defined]
         if terminated or truncated:
             env.reset()
             resets += 1
     us = np.array(times) * 1e6
-    print(f"env step ({args.scenario}, random actions, {args.steps} steps, {resets} resets): "
-          f"median {np.median(us):.0f} us, mean {us.mean():.0f} us, P99 "
-          f"{np.percentile(us, 99):.0f} us")
+    print(f"env step ({args.scenario}, {args.gpu}, {args.model}, host tier "
+          f"{args.kv_offload_gib:g} GiB, random actions, {args.steps} steps, {resets} resets, "
+          f"{loaded} blocks loaded from the host): median {np.median(us):.0f} us, mean "
+          f"{us.mean():.0f} us, P99 {np.percentile(us, 99):.0f} us")
+    if args.no_ppo:
+        return 0
 
     from stable_baselines3 import PPO
 

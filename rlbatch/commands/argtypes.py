@@ -20,6 +20,17 @@ def positive_floats(text: str) -> list[float]:
     return values
 
 
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0 (``--kv-offload-gib``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
 def checked(parse: Callable[[str], T]) -> Callable[[str], T]:
     """An argparse ``type`` that shows the parser's own error message."""
 

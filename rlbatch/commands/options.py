@@ -8,7 +8,7 @@ deployment is named the same way everywhere (DESIGN.md, command-line contract).
 Spellings: ``--gpu``, ``--model``, ``--pools fp16:1,fp8:1``, ``--tp``, ``--max-num-seqs``,
 ``--max-num-batched-tokens``, ``--gpu-memory-utilization``, ``--max-model-len``,
 ``--kv-cache-mib``, ``--buckets`` (edges), ``--over-length``, ``--max-queue-len``,
-``--no-event-skipping``, ``--no-prefix-caching``,
+``--no-event-skipping``, ``--no-prefix-caching``, ``--kv-offload-gib``,
 ``--sla-ttft-s``, ``--sla-tpot-s``, ``--tick-s``, ``--seed``.
 """
 
@@ -18,7 +18,7 @@ import argparse
 from typing import Any
 
 from rlbatch.buckets import Buckets
-from rlbatch.commands.argtypes import checked, parse_window
+from rlbatch.commands.argtypes import checked, non_negative_float, parse_window
 from rlbatch.control.types import SLA
 from rlbatch.engine.config import parse_pools
 from rlbatch.engine.reserve import KV_RESERVE_MODES
@@ -130,6 +130,11 @@ def add_deployment_options(parser: argparse.ArgumentParser) -> None:
                    help="simulated engines without vLLM's prefix caching (on by default, as "
                         "in vLLM V1; only requests with prefix ids, e.g. Mooncake's, can "
                         "hit)")
+    g.add_argument("--kv-offload-gib", type=non_negative_float, default=0.0, metavar="GIB",
+                   help="host-memory KV tier of each simulated engine, GiB (vLLM's "
+                        "--kv-offloading-size, native CPU backend): computed prompt blocks "
+                        "are copied to host memory and a prefix evicted from the GPU is "
+                        "loaded back over the GPU profile's host link; 0 = off (default)")
     s = parser.add_argument_group("control and SLA")
     s.add_argument("--cold-start", action="store_true",
                    help="runs start right after an engine start: the guard's warm-up ramp "
@@ -163,6 +168,7 @@ def deployment_spec_from_args(args: argparse.Namespace) -> DeploymentSpec:
                                   max_queue_len=args.max_queue_len),
         event_skipping=not args.no_event_skipping,
         enable_prefix_caching=not args.no_prefix_caching,
+        kv_offload_gib=args.kv_offload_gib,
         sla=sla_from_args(args), tick_s=args.tick_s,
         cold_start=args.cold_start, engine=args.engine, profile=args.profile,
         kv_reserve=args.kv_reserve, kv_reserve_quantile=args.kv_reserve_quantile)

@@ -164,6 +164,9 @@ METRICS: tuple[StatMetric, ...] = (
                lambda s, c: _floats(s.waiting_per_bucket)),
     StatMetric("kv_cache_usage", "engine", "KV cache usage (fraction), max over the pool's "
                "engines", "gauge", "pool", _pool_max("kv_cache_usage")),
+    StatMetric("kv_offload_usage", "engine", "Host KV tier occupancy (fraction), max over the "
+               "pool's engines (0: no host tier)", "gauge", "pool",
+               _pool_max("kv_offload_usage")),
     StatMetric("kv_committed", "engine", "Committed KV (prompt + expected output admitted) as a "
                "fraction of the pool, max over engines", "gauge", "none",
                lambda s, c: (s.kv_committed_max,)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -49,6 +50,11 @@ class EngineConfig:
         a request's leading prompt blocks that the KV pool still holds skip prefill
         (:mod:`rlbatch.engine.prefix_cache`; only requests with prefix information, such as
         Mooncake's ``hash_ids``, can hit).
+    :param kv_offload_gib: host memory for vLLM's KV offloading (``--kv-offloading-size``,
+        the native CPU backend), GiB; 0 turns it off. Every prompt block computed is copied
+        to the host pool, and a prefix that left the GPU cache but is still there is loaded
+        over the host link instead of computed (:mod:`rlbatch.engine.host_tier`). Needs
+        prefix caching.
     """
 
     max_num_seqs: int = 256
@@ -61,6 +67,7 @@ class EngineConfig:
     kv_reserve: KvReserveMode = "observed"
     kv_reserve_quantile: float = 0.9
     enable_prefix_caching: bool = True
+    kv_offload_gib: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -81,6 +88,23 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks_override must be >= 1, got "
                              f"{self.num_kv_blocks_override}")
         check_kv_reserve(self.kv_reserve, self.kv_reserve_quantile)
+        check_kv_offload(self.kv_offload_gib, self.enable_prefix_caching)
+
+
+def check_kv_offload(gib: float, enable_prefix_caching: bool) -> None:
+    """Refuse a host KV tier the simulator cannot build.
+
+    :param gib: host memory for the KV tier, GiB (0: off).
+    :param enable_prefix_caching: whether prefix caching is on (the tier keys its blocks by
+        the prefix hashes).
+    :raises ValueError: ``gib`` negative or not finite, or the tier on without prefix caching.
+    """
+    if not 0.0 <= gib < math.inf:
+        raise ValueError(f"kv_offload_gib must be a finite number >= 0 (GiB of host memory; "
+                         f"0 = off), got {gib}")
+    if gib > 0 and not enable_prefix_caching:
+        raise ValueError(f"kv_offload_gib={gib} needs prefix caching (the host tier keeps "
+                         f"blocks by their prefix hash); drop --no-prefix-caching or set it to 0")
 
 
 def parse_pools(text: str) -> dict[str, int]:

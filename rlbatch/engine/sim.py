@@ -16,7 +16,12 @@ Semantics follow vLLM V1's scheduler (``v1/core/sched/scheduler.py``) with the F
 * prefix caching (``EngineConfig.enable_prefix_caching``, on as in vLLM V1): a request with
   prefix information (Mooncake ``hash_ids``) skips the prefill of its longest cached prefix
   of full blocks, shared blocks are held once, and blocks nobody holds stay cached until an
-  allocation evicts them, least recently freed first (:mod:`rlbatch.engine.prefix_cache`).
+  allocation evicts them, least recently freed first (:mod:`rlbatch.engine.prefix_cache`);
+* host KV tier (``EngineConfig.kv_offload_gib``, off by default; vLLM's native CPU
+  offloading): every prompt block computed is copied to a host pool (LRU), and a prefix
+  that left the GPU cache but is still there is copied back over the host link while its
+  request waits outside the running list, the copy overlapping the iterations
+  (:mod:`rlbatch.engine.host_tier`, :mod:`rlbatch.engine.sim_caches`).
 
 Event skipping: requests in steady decode advance together in a
 :class:`~rlbatch.engine.decode_lane.DecodeLane` (an iteration costs O(1) for them plus the
@@ -34,6 +39,7 @@ from __future__ import annotations
 from rlbatch.engine.config import EngineConfig
 from rlbatch.engine.decode_lane import DecodeLane
 from rlbatch.engine.fork import fork_state
+from rlbatch.engine.host_tier import HostLink
 from rlbatch.engine.sim_scheduler import SimScheduler
 from rlbatch.engine.sim_seq import SimSeq
 from rlbatch.engine.stats import EngineStats
@@ -55,6 +61,9 @@ class SimEngine(SimScheduler):
     :param event_skipping: advance steady decodes together and runs of pure-decode
         iterations in one go (identical result).
     :param start_s: initial clock.
+    :param host_link: the host tier's block bytes and copy time
+        (:func:`~rlbatch.engine.host_tier.host_link_of`), needed when
+        ``config.kv_offload_gib > 0``.
     """
 
     def __init__(
@@ -70,6 +79,7 @@ class SimEngine(SimScheduler):
         *,
         event_skipping: bool = True,
         start_s: float = 0.0,
+        host_link: HostLink | None = None,
     ) -> None:
         if num_kv_blocks * config.block_size < max_model_len:
             raise ValueError(
@@ -78,7 +88,7 @@ class SimEngine(SimScheduler):
                 f"max_model_len={max_model_len}; lower max_model_len or raise "
                 f"gpu_memory_utilization")
         super().__init__(pool, config, step_model, num_kv_blocks, num_buckets, max_model_len,
-                         event_skipping=event_skipping, start_s=start_s)
+                         event_skipping=event_skipping, start_s=start_s, host_link=host_link)
         self.engine_id = engine_id
         self.max_model_len = max_model_len
         self.gpu_memory_total_bytes = gpu_memory_total_bytes
@@ -103,7 +113,7 @@ class SimEngine(SimScheduler):
         return self._unfinished[bucket]
 
     def num_unfinished_total(self) -> int:
-        return len(self._running) + len(self._waiting)
+        return len(self._running) + len(self._waiting) + len(self._loading)
 
     def num_waiting(self, bucket: int) -> int:
         return self._unfinished[bucket] - self._in_running[bucket]
@@ -138,7 +148,7 @@ class SimEngine(SimScheduler):
         return self.num_kv_blocks * self._block_size
 
     def is_idle(self) -> bool:
-        return not self._running and not self._waiting
+        return not self._running and not self._waiting and not self._loading
 
     def advance_idle(self, to_s: float) -> None:
         if not self.is_idle():
@@ -168,19 +178,21 @@ class SimEngine(SimScheduler):
     def fork(self) -> SimEngine:
         """An independent copy of the engine's state (a digital twin's fork): the step-time
         model and config shared, every sequence and counter copied (see
-        :func:`~rlbatch.engine.fork.fork_state`) and the prefix cache forked; the decode lane
-        is emptied first (its requests back to their own fields), so the copy starts with an
-        empty lane of its own.
+        :func:`~rlbatch.engine.fork.fork_state`), the prefix cache and the host tier forked;
+        the decode lane is emptied first (its requests back to their own fields), so the copy
+        starts with an empty lane of its own.
         """
         self._leave_lane()
-        new = fork_state(self, SimSeq, share=("_reserve", "_lane", "_cache"))
+        new = fork_state(self, SimSeq, share=("_reserve", "_lane", "_cache", "_host"))
         new._reserve = self._reserve.fork()
         new._lane = DecodeLane(self._block_size)
         if self._cache is not None:
             new._cache = self._cache.fork()
-            for seq in new._running:
+            for seq in (*new._running, *new._loading):
                 if seq.layout is not None:
                     seq.extents = seq.extents[:]  # a waiting one gets a new list when admitted
+        if self._host is not None:
+            new._host = self._host.fork()
         return new
 
     def pending(self) -> list[tuple[int, float, float, int, int]]:
@@ -190,7 +202,7 @@ class SimEngine(SimScheduler):
         lane = self._lane
         return [(s.bucket, s.arrival_s, s.first_token_s,
                  lane.num_output_of(s) if s.in_lane else s.num_output, s.max_output)
-                for q in (self._running, self._waiting) for s in q]
+                for q in (self._running, self._loading, self._waiting) for s in q]
 
     # ----------------------------------------------------------------- stats
     def _reset_interval(self) -> None:
@@ -209,6 +221,8 @@ class SimEngine(SimScheduler):
         # the prefix cache counts from its start: the interval's are the differences
         self._prefix_counts = ((cache.queries, cache.hits, cache.evictions)
                                if cache is not None else (0, 0, 0))
+        host = self._host
+        self._host_counts = host.counters() if host is not None else (0, 0, 0, 0.0, 0, 0)
 
     def snapshot(self) -> EngineStats:
         running = self._in_running
@@ -223,6 +237,17 @@ class SimEngine(SimScheduler):
             cache.sync(self._free_blocks)  # the evictions of the allocations made so far
             queries, hits, evictions = (cache.queries - queries, cache.hits - hits,
                                         cache.evictions - evictions)
+        host = self._host
+        host_hits, loads, loaded, load_s, stored, host_evictions = self._host_counts
+        host_usage = 0.0
+        block_bytes = 0
+        if host is not None:  # the interval's counts: the differences
+            now = host.counters()
+            host_hits, loads, loaded = now[0] - host_hits, now[1] - loads, now[2] - loaded
+            load_s, stored, host_evictions = (now[3] - load_s, now[4] - stored,
+                                              now[5] - host_evictions)
+            host_usage = host.used / host.num_blocks
+            block_bytes = host.link.block_bytes
         stats = EngineStats(
             engine_id=self.engine_id,
             pool=self.pool,
@@ -252,6 +277,16 @@ class SimEngine(SimScheduler):
             prefix_cache_queries=queries,
             prefix_cache_hits=hits,
             prefix_cache_evictions=evictions,
+            kv_offload_hits=host_hits,
+            kv_offload_loads=loads,
+            kv_offload_loaded_blocks=loaded,
+            kv_offload_load_bytes=loaded * block_bytes,
+            kv_offload_load_s=load_s,
+            kv_offload_stored_blocks=stored,
+            kv_offload_store_bytes=stored * block_bytes,
+            kv_offload_evictions=host_evictions,
+            kv_offload_usage=host_usage,
+            kv_offload_num_blocks=host.num_blocks if host is not None else 0,
         )
         self._reset_interval()
         return stats
@@ -265,7 +300,7 @@ class SimEngine(SimScheduler):
         lane = self._lane
         in_lane = 0
         extents: dict[int, list[int]] = {}
-        for seq in self._running:
+        for seq in (*self._running, *self._loading):
             layout = seq.layout
             if layout is None:
                 continue
@@ -278,6 +313,13 @@ class SimEngine(SimScheduler):
                     extents.setdefault(key, []).append(extent)
         for seq in self._waiting:
             assert not seq.cached and seq.blocks == 0 and seq.num_computed == 0
+        for seq in self._loading:  # its GPU hit held, registered; the blocks copied not yet
+            assert not seq.in_lane and seq.layout is not None
+            assert seq.cached == seq.layout[2][-1] - seq.uncached
+            assert seq.blocks * block == seq.num_computed > seq.cached * block
+            held += seq.blocks
+        if self._host is not None:
+            self._host.check()
         for seq in self._running:
             if seq.in_lane:
                 in_lane += 1
@@ -297,6 +339,7 @@ class SimEngine(SimScheduler):
         assert per_bucket == self._in_running, (per_bucket, self._in_running)
         assert held + self._free_blocks == self.num_kv_blocks, (held, self._free_blocks)
         assert 0 <= self._free_blocks <= self.num_kv_blocks
-        assert sum(self._unfinished) == len(self._running) + len(self._waiting)
+        assert sum(self._unfinished) == (len(self._running) + len(self._waiting)
+                                         + len(self._loading))
         assert self._committed_tokens == sum(
-            seq.committed for q in (self._running, self._waiting) for seq in q)
+            seq.committed for q in (self._running, self._waiting, self._loading) for seq in q)

@@ -7,11 +7,11 @@ admissions from the waiting queue, within the token budget, preempting the newes
 request when a block allocation fails. This is the reference every faster path is held to
 (:class:`~rlbatch.engine.sim_scheduler.SimScheduler` adds those, bit-identical).
 
-With prefix caching (:mod:`rlbatch.engine.prefix_cache`) a waiting request with prefix
-information looks up its cached prefix when it is admitted: those tokens are computed already (its
-first chunk starts after them), the blocks it takes are held by reference, the blocks it
-fills get their hashes as they are scheduled, and a request that leaves the running list
-(finished or preempted) returns its blocks tail first, the cached ones to the LRU queue.
+What happens to a request's KV blocks in the prefix cache and the host tier (lookups at
+admission, hashes as blocks fill, loads from the host, release) lives in its base,
+:class:`~rlbatch.engine.sim_caches.CacheScheduler`; with the host tier, a request waiting for
+a copy from the host sits in the *loading* list, which joins the running list ahead of the
+waiting queue once its copy completed, and an engine with nothing else to run waits for it.
 """
 
 from __future__ import annotations
@@ -19,14 +19,15 @@ from __future__ import annotations
 from collections import deque
 
 from rlbatch.engine.config import EngineConfig
-from rlbatch.engine.prefix_cache import Layout, PrefixCache, prefix_layout
+from rlbatch.engine.host_tier import HostLink
 from rlbatch.engine.reserve import OutputReserve
+from rlbatch.engine.sim_caches import CacheScheduler
 from rlbatch.engine.sim_seq import SimSeq
 from rlbatch.engine.stats import FinishedRequest
 from rlbatch.profiles import StepTimeModel
 
 
-class ExactScheduler:
+class ExactScheduler(CacheScheduler):
     """Requests, KV blocks and clock of one simulated engine; one iteration at a time.
 
     :param pool: pool name (``fp16`` / ``fp8``), for the finished records.
@@ -38,6 +39,8 @@ class ExactScheduler:
     :param event_skipping: whether the faster paths of a subclass may run (kept here so the
         engine's settings live in one place).
     :param start_s: initial clock.
+    :param host_link: the host tier's block bytes and copy time, needed when
+        ``config.kv_offload_gib > 0``.
     """
 
     # interval counters, reset by every snapshot (see _reset_interval)
@@ -55,7 +58,9 @@ class ExactScheduler:
 
     def __init__(self, pool: str, config: EngineConfig, step_model: StepTimeModel,
                  num_kv_blocks: int, num_buckets: int, max_model_len: int, *,
-                 event_skipping: bool, start_s: float) -> None:
+                 event_skipping: bool, start_s: float,
+                 host_link: HostLink | None = None) -> None:
+        super().__init__(config, host_link)
         self.pool = pool
         self.config = config
         self.step_model = step_model
@@ -76,7 +81,6 @@ class ExactScheduler:
         self._reserve = OutputReserve(config.kv_reserve, num_buckets, config.block_size,
                                       max_model_len, quantile=config.kv_reserve_quantile)
         self._decode_coeffs: dict[int, tuple[float, float]] = {}
-        self._cache = PrefixCache() if config.enable_prefix_caching else None
 
     def _admission_blocked(self, hits_may_grow: bool = False) -> bool:
         """No waiting request can be admitted at the next iteration, nor at any pure-decode
@@ -106,8 +110,10 @@ class ExactScheduler:
         return need > self._free_blocks
 
     # ----------------------------------------------------------------- request by request
-    def _iterate_exact(self) -> None:
-        """One iteration, request by request (vLLM V1's ``schedule()`` order)."""
+    def _iterate_exact(self, bound_s: float) -> None:
+        """One iteration, request by request (vLLM V1's ``schedule()`` order); with nothing
+        to run but copies from the host tier, a wait for the first one (at most to
+        ``bound_s``)."""
         running = self._running
         waiting = self._waiting
         block = self._block_size
@@ -166,7 +172,10 @@ class ExactScheduler:
 
         self._free_blocks = free
         if not sched:
-            # Everything was preempted; the next iteration re-admits from the waiting queue.
+            # Everything was preempted (the next iteration re-admits from the waiting queue),
+            # or nothing is running or admissible.
+            if not preempted and self._loading:
+                self._wait_for_loads(bound_s)
             return
         now = self._advance(prefill_tokens, attn_work, num_decode, kv_decode)
         for seq, n in sched:
@@ -185,6 +194,11 @@ class ExactScheduler:
         running = self._running
         block = self._block_size
         cache = self._cache
+        if self._loading:
+            budget, free, prefill_tokens, attn_work, blocked = self._promote_loaded(
+                sched, admitted, budget, free, prefill_tokens, attn_work)
+            if blocked:  # a loaded request's first chunk does not fit: admission stops
+                return budget, free, prefill_tokens, attn_work
         while waiting and budget > 0 and len(running) < self._max_num_seqs:
             seq = waiting[0]
             if seq.prefix is None:
@@ -202,6 +216,9 @@ class ExactScheduler:
             waiting.popleft()
             if cache is not None and not seq.preemptions:
                 cache.queries += seq.prompt_len  # vLLM counts first lookups apart
+            if n < 0:  # its prefix is copied from the host tier first
+                self._loading.append(seq)
+                continue
             seq.order = self._order
             self._order += 1
             running.append(seq)
@@ -215,89 +232,6 @@ class ExactScheduler:
             if seq.uncached:
                 self._register(seq, seq.num_computed + n)
         return budget, free, prefill_tokens, attn_work
-
-    # ----------------------------------------------------------------- prefix caching
-    def _take_cached_prefix(self, seq: SimSeq, budget: int, free: int) -> tuple[int, int]:
-        """Admit a waiting request with prefix information if its first chunk fits: its
-        cached prefix (at most ``num_tokens - 1`` tokens, whole blocks) is held and counts as
-        computed, the chunk after it gets new blocks (vLLM's ``get_computed_blocks`` then
-        ``allocate_slots``: a free cached block taken costs a free block as well).
-
-        :returns: the chunk's tokens (0: it does not fit, nothing changed) and the free
-            blocks after.
-        """
-        cache = self._cache
-        assert cache is not None
-        layout = self._layout(seq)
-        block = self._block_size
-        num_tokens = seq.prompt_len + seq.num_output
-        max_blocks = min(seq.uncached, (num_tokens - 1) // block)
-        least = num_tokens - max_blocks * block  # the chunk after the longest possible hit
-        if -(-(least if least < budget else budget) // block) > free:
-            return 0, free  # hopeless whatever is cached: no lookup
-        hit = cache.lookup(layout, max_blocks, free)
-        cached_tokens = hit * block
-        remaining = num_tokens - cached_tokens
-        n = remaining if remaining < budget else budget
-        taken = cache.evictable(layout, hit) if hit else 0
-        need = -(-n // block) + taken
-        if need > free:
-            return 0, free
-        seq.extents = [0] * len(layout[0])  # its own list (a fork shares a waiting one's)
-        if hit:
-            cache.touch(layout, hit, seq.extents)
-            seq.num_computed = cached_tokens
-        seq.cached = hit
-        seq.uncached -= hit
-        seq.blocks = hit + need - taken
-        if not seq.preemptions:
-            cache.hits += cached_tokens
-        return n, free - need
-
-    def _layout(self, seq: SimSeq) -> Layout:
-        """A request's block groups, derived at its first lookup (the waiting queue can hold
-        thousands of long prompts); ``uncached`` set to its hashed blocks."""
-        layout = seq.layout
-        if layout is None:
-            assert seq.prefix is not None
-            ids, start = seq.prefix
-            layout = seq.layout = prefix_layout(ids, start + seq.prompt_len, seq.prompt_len,
-                                                self._block_size)
-            seq.uncached = layout[2][-1] if layout[2] else 0
-        return layout
-
-    def _register(self, seq: SimSeq, tokens: int) -> None:
-        """The blocks a request's first ``tokens`` fill get their hashes (when scheduled, as
-        vLLM's ``cache_blocks``)."""
-        cache = self._cache
-        layout = seq.layout
-        assert cache is not None and layout is not None
-        total = layout[2][-1]
-        done = total - seq.uncached
-        end = tokens // self._block_size
-        if end > done:
-            if end > total:
-                end = total
-            seq.cached += cache.register(layout, seq.extents, done, end)
-            seq.uncached = total - end
-
-    def _release(self, seq: SimSeq, free: int) -> int:
-        """Free blocks after a running request returned its blocks (its ``blocks`` field is
-        left for the caller); its registration starts over when it is admitted again."""
-        cache = self._cache
-        layout = seq.layout
-        if layout is None:
-            if cache is None or not cache.free_cached:
-                return free + seq.blocks
-            return cache.release(None, seq.extents, 0, seq.blocks, free)
-        assert cache is not None
-        total = layout[2][-1] if layout[2] else 0
-        done = total - seq.uncached
-        seq.uncached = total
-        if not seq.cached and not cache.free_cached:
-            return free + seq.blocks
-        seq.cached = 0
-        return cache.release(layout, seq.extents, done, seq.blocks, free)
 
     def _advance(self, prefill_tokens: int, attn_work: float, num_decode: int,
                  kv_decode: int) -> float:
@@ -348,6 +282,9 @@ class ExactScheduler:
         self._running.remove(seq)
         self._in_running[seq.bucket] -= 1
         self._reserve.observe(seq.bucket, seq.num_output)
+        if self._host is not None and seq.host_low >= 0:
+            assert seq.layout is not None
+            self._host.finish(seq.layout, seq.host_low, seq.host_done)
         self._free_blocks = self._release(seq, self._free_blocks)
         seq.blocks = 0
         self._unfinished[seq.bucket] -= 1

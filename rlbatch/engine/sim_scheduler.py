@@ -23,6 +23,7 @@ import math
 
 from rlbatch.engine.config import EngineConfig
 from rlbatch.engine.decode_lane import NEVER, DecodeLane
+from rlbatch.engine.host_tier import HostLink
 from rlbatch.engine.sim_exact import ExactScheduler
 from rlbatch.engine.sim_seq import SimSeq
 from rlbatch.profiles import StepTimeModel
@@ -40,13 +41,16 @@ class SimScheduler(ExactScheduler):
     :param event_skipping: use the lane and skip decode runs; ``False``: every iteration
         request by request (the reference).
     :param start_s: initial clock.
+    :param host_link: the host tier's block bytes and copy time, needed when
+        ``config.kv_offload_gib > 0``.
     """
 
     def __init__(self, pool: str, config: EngineConfig, step_model: StepTimeModel,
                  num_kv_blocks: int, num_buckets: int, max_model_len: int, *,
-                 event_skipping: bool, start_s: float) -> None:
+                 event_skipping: bool, start_s: float,
+                 host_link: HostLink | None = None) -> None:
         super().__init__(pool, config, step_model, num_kv_blocks, num_buckets, max_model_len,
-                         event_skipping=event_skipping, start_s=start_s)
+                         event_skipping=event_skipping, start_s=start_s, host_link=host_link)
         # running requests outside the lane, in running order (event skipping only; all of
         # them come after every lane request in the running order)
         self._explicit: list[SimSeq] = []
@@ -79,7 +83,7 @@ class SimScheduler(ExactScheduler):
             after iteration, until one would start at or after it (or it is idle).
         """
         self._run(bound_s, greedy=True)
-        while self._now < then_s and (self._running or self._waiting):
+        while self._now < then_s and (self._running or self._waiting or self._loading):
             before = self._now
             self._run(then_s, greedy=True)
             if self._now == before:
@@ -87,13 +91,13 @@ class SimScheduler(ExactScheduler):
 
     def _run(self, bound_s: float, greedy: bool) -> None:
         if not self.event_skipping:
-            self._iterate_exact()
+            self._iterate_exact(bound_s)
             return
         if self._decode_run and (greedy or not self._prefilled) and self._skip(bound_s, greedy):
             return
-        if not self._iterate_lane():
+        if not self._iterate_lane(bound_s):
             self._leave_lane()
-            self._iterate_exact()
+            self._iterate_exact(bound_s)
             self._explicit = list(self._running)
             self._decode_run = False
         if self._decode_run and (greedy or not self._prefilled) and self._now < bound_s:
@@ -113,10 +117,12 @@ class SimScheduler(ExactScheduler):
         self._explicit = list(self._running)
 
     # ----------------------------------------------------------------- the decode lane
-    def _iterate_lane(self) -> bool:
+    def _iterate_lane(self, bound_s: float) -> bool:
         """One iteration with the lane's requests advanced together; ``False`` (nothing
         changed) when it needs the request-by-request path: the lane would not all be
-        scheduled, or an allocation would fail (preemption)."""
+        scheduled, or an allocation would fail (preemption). With nothing to run but copies
+        from the host tier, a wait for the first one (at most to ``bound_s``), as the exact
+        path's."""
         lane = self._lane
         explicit = self._explicit
         block = self._block_size
@@ -165,6 +171,8 @@ class SimScheduler(ExactScheduler):
         self._free_blocks = free
         if prefill_tokens == 0 and not sched and not in_lane:
             self._decode_run = False
+            if self._loading:
+                self._wait_for_loads(bound_s)
             return True  # nothing to run (as the exact path)
         now = self._advance(prefill_tokens, attn_work, num_decode, kv_decode)
         before = len(running)
@@ -205,6 +213,11 @@ class SimScheduler(ExactScheduler):
         n = lane.n
         if n == 0 or self._explicit or n > self._budget or not self._admission_blocked():
             return False
+        if self._loading:
+            # the first iteration after a copy from the host completed may admit its request
+            ready = min(s.ready_s for s in self._loading)
+            if ready < bound_s:
+                bound_s = ready
         to_finish = lane.finish_heap[0][0] - lane.epoch - (not greedy)
         base, per_kv = self._coefficients(n)
         kv = lane.kv_base + n * lane.epoch

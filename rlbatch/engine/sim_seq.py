@@ -20,6 +20,11 @@ class SimSeq:
     at its first lookup); ``extents`` its blocks held in each group; ``cached`` how many
     cached blocks it holds; ``uncached`` how many of its hashed blocks were not registered
     yet (0 when there is nothing to register: the other check on the hot path).
+
+    With the host tier (:mod:`rlbatch.engine.host_tier`), ``host_low`` and ``host_done`` are
+    the first and the end of its blocks the host pool saw (offered or loaded; ``host_low``
+    -1 before any), and ``ready_s`` when the copy of its blocks from the host completes
+    while it waits in the engine's loading list.
     """
 
     __slots__ = (
@@ -31,6 +36,8 @@ class SimSeq:
         "extents",
         "first_token_s",
         "grow_at",
+        "host_done",
+        "host_low",
         "in_lane",
         "kv_limit",
         "layout",
@@ -42,6 +49,7 @@ class SimSeq:
         "preemptions",
         "prefix",
         "prompt_len",
+        "ready_s",
         "request_id",
         "truncated",
         "uncached",
@@ -75,3 +83,6 @@ class SimSeq:
         self.extents: list[int] = []
         self.cached = 0
         self.uncached = 0
+        self.host_low = -1
+        self.host_done = 0
+        self.ready_s = 0.0

@@ -108,6 +108,21 @@ class EngineStats:
         prefix caching off or from an engine that does not report it).
     :param prefix_cache_hits: of those, tokens found cached (vLLM ``prefix_cache_hits``).
     :param prefix_cache_evictions: cached KV blocks that lost their hash to an allocation.
+    :param kv_offload_hits: prompt tokens of first admissions found in the host KV tier past
+        their GPU hit, and loaded from it (0 without the tier: ``kv_offload_num_blocks``).
+    :param kv_offload_loads: copies from the host tier issued (one per request admitted
+        with a host hit, first admissions and re-admissions after preemption).
+    :param kv_offload_loaded_blocks: KV blocks those copies move to the GPU.
+    :param kv_offload_load_bytes: bytes of those copies (every tensor-parallel rank's share).
+    :param kv_offload_load_s: summed seconds from each load's issue to its completion (time
+        its request waited on the host link, queueing behind earlier copies included).
+    :param kv_offload_stored_blocks: KV blocks copied from the GPU to the host tier.
+    :param kv_offload_store_bytes: bytes of those copies.
+    :param kv_offload_evictions: blocks the host tier dropped to make room.
+    :param kv_offload_usage: fraction of the host tier's blocks holding KV at ``time_s``
+        (vLLM's ``vllm:kv_offload_cpu_cache_usage_perc`` counts only blocks pinned by copies
+        in flight; this is the occupancy). The guard's memory rule reads ``kv_cache_usage``.
+    :param kv_offload_num_blocks: KV blocks the host tier holds (0: no host tier).
     """
 
     engine_id: int
@@ -136,6 +151,16 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     prefix_cache_evictions: int = 0
+    kv_offload_hits: int = 0
+    kv_offload_loads: int = 0
+    kv_offload_loaded_blocks: int = 0
+    kv_offload_load_bytes: int = 0
+    kv_offload_load_s: float = 0.0
+    kv_offload_stored_blocks: int = 0
+    kv_offload_store_bytes: int = 0
+    kv_offload_evictions: int = 0
+    kv_offload_usage: float = 0.0
+    kv_offload_num_blocks: int = 0
 
     @property
     def running_total(self) -> int:

@@ -120,6 +120,10 @@ class GpuSpec:
         sampling bookkeeping, launch) that no kernel model captures, seconds.
     :param efficiency: achieved fractions of peak, see :class:`Efficiency`.
     :param description: free text.
+    :param host_link_bandwidth_bytes_s: effective host-to-GPU copy bandwidth of one GPU's
+        link to host memory (PCIe, or NVLink-C2C on Grace Hopper), bytes/s: what loading KV
+        blocks from the host tier costs (``--kv-offload-gib``); ``None`` when the profile
+        does not say (the host tier then refuses to start).
     """
 
     name: str
@@ -133,6 +137,7 @@ class GpuSpec:
     fixed_overhead_s: float
     efficiency: Efficiency
     description: str = ""
+    host_link_bandwidth_bytes_s: float | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str, default_name: str) -> GpuSpec:
@@ -155,6 +160,8 @@ class GpuSpec:
         if eff is None:
             raise ProfileError(f"{source}: missing required field 'efficiency'")
         description = data.get("description", "")
+        host_link = (pos_float(data, "host_link_bandwidth_bytes_s", source)
+                     if data.get("host_link_bandwidth_bytes_s") is not None else None)
         return cls(
             name=get_str(data, "name", source, default_name),
             memory_bytes=pos_int(data, "memory_bytes", source),
@@ -168,6 +175,7 @@ class GpuSpec:
             fixed_overhead_s=pos_float(data, "fixed_overhead_s", source, allow_zero=True),
             efficiency=Efficiency.from_dict(eff, source),
             description=description if isinstance(description, str) else "",
+            host_link_bandwidth_bytes_s=host_link,
         )
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from rlbatch.engine.base import Engine
 from rlbatch.engine.config import EngineConfig, Precision, vllm_default_budgets
+from rlbatch.engine.host_tier import host_link_of
 from rlbatch.engine.reserve import KvReserveMode
 from rlbatch.engine.sim import SimEngine
 from rlbatch.engine.vllm.config import TINY_KV_CACHE_BYTES, TINY_MODEL, VllmEngineConfig
@@ -67,8 +68,10 @@ def build_sim_deployment(spec: DeploymentSpec) -> Deployment:
     """The simulator with the roofline step-time model of ``spec.gpu`` and ``spec.model``.
 
     :param spec: the deployment (budgets default to vLLM's for the GPU, ``max_model_len`` to
-        the model's context).
-    :raises ValueError: ``max_model_len`` beyond the model's context, or an unknown profile.
+        the model's context; a host KV tier of ``spec.kv_offload_gib`` per engine, its link
+        from the GPU profile).
+    :raises ValueError: ``max_model_len`` beyond the model's context, an unknown profile, or
+        a host KV tier on a GPU profile without a host link bandwidth.
     """
     gpu = load_gpu(spec.gpu)
     model = load_model(spec.model)
@@ -92,18 +95,20 @@ def build_sim_deployment(spec: DeploymentSpec) -> Deployment:
             kv_reserve=spec.kv_reserve,
             kv_reserve_quantile=spec.kv_reserve_quantile,
             enable_prefix_caching=spec.enable_prefix_caching,
+            kv_offload_gib=spec.kv_offload_gib,
         )
         step_model = RooflineStepTimeModel(gpu, model, precision=precision, tp=spec.tp,
                                            max_num_batched_tokens=max_tokens,
                                            max_num_seqs=max_num_seqs)
         blocks = config.num_kv_blocks_override or step_model.kv_capacity_blocks(
             spec.gpu_memory_utilization, config.block_size)
+        link = host_link_of(step_model, config.block_size) if spec.kv_offload_gib else None
         for _ in range(count):
             engines.append(SimEngine(
                 engine_id=len(engines), pool=pool, config=config, step_model=step_model,
                 num_kv_blocks=blocks, max_model_len=max_model_len,
                 gpu_memory_total_bytes=gpu.memory_bytes, num_buckets=len(spec.buckets),
-                event_skipping=spec.event_skipping))
+                event_skipping=spec.event_skipping, host_link=link))
     return assemble_deployment(
         engines, buckets=spec.buckets, admission=spec.admission, gpu=gpu.name,
         model=model.name, max_model_len=max_model_len, block_size=EngineConfig.block_size,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from rlbatch.buckets import Buckets
 from rlbatch.control.types import SLA, ControlAction, DeploymentInfo
 from rlbatch.engine.base import Engine
-from rlbatch.engine.config import PRECISIONS
+from rlbatch.engine.config import PRECISIONS, check_kv_offload
 from rlbatch.engine.fork import fork_state
 from rlbatch.engine.reserve import KvReserveMode, check_kv_reserve
 from rlbatch.engine.stats import EngineStats
@@ -52,6 +52,10 @@ class DeploymentSpec:
     :param kv_reserve_quantile: output quantile ``observed`` reserves at admission.
     :param enable_prefix_caching: the simulated engines cache prompt prefixes as vLLM V1
         does by default (``EngineConfig.enable_prefix_caching``); live engines keep it off.
+    :param kv_offload_gib: host memory of each simulated engine's KV tier, GiB (vLLM's
+        ``--kv-offloading-size``; ``EngineConfig.kv_offload_gib``); 0 (the default) turns it
+        off. Needs prefix caching and a GPU profile with a host link bandwidth; the
+        calibrated-profile simulator and live engines refuse it.
     """
 
     gpu: str = "a100-80g"
@@ -74,6 +78,7 @@ class DeploymentSpec:
     kv_reserve: KvReserveMode = "observed"
     kv_reserve_quantile: float = 0.9
     enable_prefix_caching: bool = True
+    kv_offload_gib: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.pools:
@@ -86,6 +91,11 @@ class DeploymentSpec:
         if self.engine not in ("sim", "vllm"):
             raise ValueError(f"engine must be 'sim' or 'vllm', got {self.engine!r}")
         check_kv_reserve(self.kv_reserve, self.kv_reserve_quantile)
+        check_kv_offload(self.kv_offload_gib, self.enable_prefix_caching)
+        if self.kv_offload_gib and (self.engine != "sim" or self.profile is not None):
+            raise ValueError(f"kv_offload_gib={self.kv_offload_gib}: the host KV tier is "
+                             f"simulated on the roofline model only (not with --engine vllm "
+                             f"or a calibrated --profile)")
 
 
 class Deployment:

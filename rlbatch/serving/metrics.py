@@ -13,7 +13,7 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -214,6 +214,10 @@ class RunTotals:
         admissions).
     :param prefix_cache_hits: of those, tokens found cached.
     :param prefix_cache_evictions: cached KV blocks evicted.
+    :param kv_offload_hits: the host KV tier's counters, summed (each as its
+        :class:`~rlbatch.engine.stats.EngineStats` field; ``kv_offload_loads`` ...
+        ``kv_offload_evictions`` likewise).
+    :param kv_offload_usage_peak: the tier's highest occupancy of any engine at a snapshot.
     """
 
     prefill_tokens: int = 0
@@ -234,6 +238,15 @@ class RunTotals:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     prefix_cache_evictions: int = 0
+    kv_offload_hits: int = 0
+    kv_offload_loads: int = 0
+    kv_offload_loaded_blocks: int = 0
+    kv_offload_load_bytes: int = 0
+    kv_offload_load_s: float = 0.0
+    kv_offload_stored_blocks: int = 0
+    kv_offload_store_bytes: int = 0
+    kv_offload_evictions: int = 0
+    kv_offload_usage_peak: float = 0.0
 
     def add(self, stats: EngineStats) -> None:
         """Fold one engine snapshot in.
@@ -260,6 +273,16 @@ class RunTotals:
         self.prefix_cache_queries += stats.prefix_cache_queries
         self.prefix_cache_hits += stats.prefix_cache_hits
         self.prefix_cache_evictions += stats.prefix_cache_evictions
+        if stats.kv_offload_num_blocks:
+            self.kv_offload_hits += stats.kv_offload_hits
+            self.kv_offload_loads += stats.kv_offload_loads
+            self.kv_offload_loaded_blocks += stats.kv_offload_loaded_blocks
+            self.kv_offload_load_bytes += stats.kv_offload_load_bytes
+            self.kv_offload_load_s += stats.kv_offload_load_s
+            self.kv_offload_stored_blocks += stats.kv_offload_stored_blocks
+            self.kv_offload_store_bytes += stats.kv_offload_store_bytes
+            self.kv_offload_evictions += stats.kv_offload_evictions
+            self.kv_offload_usage_peak = max(self.kv_offload_usage_peak, stats.kv_offload_usage)
 
     @property
     def batch_efficiency(self) -> float:
@@ -274,6 +297,14 @@ class RunTotals:
         if not self.prefix_cache_queries:
             return 0.0
         return self.prefix_cache_hits / self.prefix_cache_queries
+
+    @property
+    def kv_offload_hit_rate(self) -> float:
+        """Tokens loaded from the host tier / prompt tokens looked up (the prefix cache's
+        queries), so that it adds to :attr:`prefix_hit_rate`; 0 without queries."""
+        if not self.prefix_cache_queries:
+            return 0.0
+        return self.kv_offload_hits / self.prefix_cache_queries
 
 
 def _p(values: np.ndarray, q: float) -> float:
@@ -361,6 +392,10 @@ def summarize(
         "prefix_cache_hits": totals.prefix_cache_hits,
         "prefix_cache_queries": totals.prefix_cache_queries,
         "prefix_cache_evictions": totals.prefix_cache_evictions,
+        # the host KV tier: every RunTotals counter, by its name
+        "kv_offload_hit_rate": totals.kv_offload_hit_rate,
+        **{f.name: getattr(totals, f.name) for f in fields(totals)
+           if f.name.startswith("kv_offload_")},
         # FP8 KV costs quality (the guide: <= 1.5%): how much of the work it served.
         "fp8_token_share": fp8_tokens / served_tokens if served_tokens else 0.0,
         "per_bucket": per_bucket,

@@ -31,6 +31,8 @@ name                                              type       labels
 ``rlbatch:requests_waiting``                      gauge      bucket (in the sidecar's
                                                              engine-wide FIFO)
 ``rlbatch:kv_cache_usage``                        gauge      pool (max over its upstreams)
+``rlbatch:kv_offload_usage``                      gauge      pool (host KV tier occupancy;
+                                                             0 behind vLLM: not read)
 ``rlbatch:kv_committed``, ``gpu_memory_used``     gauge
 ``rlbatch:max_num_seqs``                          gauge      pool (engine-wide cap applied)
 ``rlbatch:throughput_tok_s``                      gauge
