@@ -164,7 +164,7 @@ class SimScheduler(ExactScheduler):
         if prefill_tokens == 0 and not sched and not in_lane:
             self._decode_run = False
             return True  # nothing to run (as the exact path)
-        now = self._advance(prefill_tokens, attn_work, num_decode, kv_decode)
+        now = self._advance(prefill_tokens, attn_work, num_decode, kv_decode, len(admitted))
         before = len(running)
         lane.epoch = epoch = epoch + 1
         if in_lane and lane.finish_heap[0][0] <= epoch:
@@ -201,7 +201,9 @@ class SimScheduler(ExactScheduler):
         allocation could fail (not included); whether any was advanced."""
         lane = self._lane
         n = lane.n
-        if n == 0 or self._explicit or n > self._budget or not self._admission_blocked():
+        if n == 0 or self._explicit or n > self._budget or self._wake_left \
+                or (self._shapes is not None and n not in self._shapes) \
+                or not self._admission_blocked():
             return False
         to_finish = lane.finish_heap[0][0] - lane.epoch - (not greedy)
         base, per_kv = self._coefficients(n)
@@ -254,6 +256,8 @@ class SimScheduler(ExactScheduler):
         self._iterations += k
         self._decode_tokens += n * k
         lane.epoch += k
+        if self._shapes is not None:
+            self._shapes.move_to_end(n)  # the run's size is the most recent
         if greedy and k == to_finish:
             # the last iteration finished requests: the peak is before their blocks return
             self._free_blocks = free + need
