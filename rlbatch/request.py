@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+PREFIX_BLOCK_TOKENS = 512
+"""Prompt tokens one ``Request.prefix_ids`` entry names (Mooncake's ``hash_ids`` blocks)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Request:

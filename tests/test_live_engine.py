@@ -28,7 +28,8 @@ from rlbatch.request import Request
 from rlbatch.serving.builders import build_live_deployment, profile_sim_engine
 from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.tools.calibrate import calibrate
-from rlbatch.tools.fidelity import run_fidelity, scale_workload
+from rlbatch.tools.fidelity import run_fidelity
+from rlbatch.tools.fidelity_scenarios import scale_workload
 from rlbatch.workload import poisson, short_chats
 
 pytestmark = pytest.mark.live
@@ -253,13 +254,38 @@ def test_calibrate_and_fidelity(fp16_engine: VllmEngine, tmp_path: Path) -> None
 
     workload = scale_workload(poisson(8.0, 3.0, short_chats(), seed=3), 0.25, 1024,
                               output_scale=0.25)
-    report = run_fidelity(loaded, fp16_engine, workload, buckets=BUCKETS)
+    report = run_fidelity(loaded, fp16_engine, workload, buckets=BUCKETS, repeats=2)
     assert report.completed_live == report.completed_sim == len(workload.requests)
+    assert report.model == "all" and report.e2e.n == 2 * len(workload.requests)
+    assert report.floor_targets() is not None and report.live_cpu_wait is not None
     assert report.preemptions_live == report.preemptions_sim == 0
     # Loose bounds: a CI machine's step times jitter; the CLI reports the real figures.
     assert report.e2e.median < 0.5 and report.ttft.median < 1.0
     assert report.throughput_rel_err < 0.3
     assert set(report.targets_met()) == {"latency_median", "latency_p99", "throughput"}
+
+
+def test_prefix_ids_hit_the_live_prefix_cache(clock: LiveClock) -> None:
+    """Requests whose prefix_ids agree share their blocks in vLLM's prefix cache (what the
+    simulator's prefix cache assumes); the fidelity scenario reads the hit counts."""
+    engine = start_vllm_engine(_config(enable_prefix_caching=True), engine_id=2, pool="fp16",
+                               num_buckets=4, clock=clock)
+    try:
+        first = Request(0, engine.now_s, 600, 4, prefix_ids=(0, 7))
+        engine.add_request(first, 0, 600, False)
+        _drain(engine)
+        queries, hits = engine.prefix_cache_totals()
+        assert queries == 600 and hits == 0
+        later = Request(1, engine.now_s, 900, 4, prefix_ids=(0, 7))  # the same history, longer
+        other = Request(2, engine.now_s, 600, 4, prefix_ids=(0, 8))  # only the system block
+        for r in (later, other):
+            engine.add_request(r, 0, r.prompt_tokens, False)
+            _drain(engine)
+        queries, hits = engine.prefix_cache_totals()
+        assert queries == 600 + 900 + 600
+        assert hits == 576 + 512  # 18 and 16 whole 32-token blocks
+    finally:
+        engine.close()
 
 
 def test_calibrate_command(tmp_path: Path) -> None:

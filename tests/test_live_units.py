@@ -42,8 +42,10 @@ from rlbatch.serving.builders import (
     profile_sim_engine,
 )
 from rlbatch.serving.deployment import DeploymentSpec
-from rlbatch.tools.calibrate import default_traffic, fit_step_model
-from rlbatch.tools.fidelity import PercentileComparison, scale_workload
+from rlbatch.tools.calibrate import default_traffic
+from rlbatch.tools.calibrate_fit import fit_step_model
+from rlbatch.tools.fidelity import PercentileComparison
+from rlbatch.tools.fidelity_scenarios import scale_workload
 from rlbatch.workload import build_workload
 
 COEFFS = StepCoefficients(fixed_s=6e-4, prefill_fixed_s=3e-4, per_token_s=4e-6,
@@ -98,7 +100,8 @@ def test_step_model_decode_form_is_exact() -> None:
 
 def test_fit_recovers_known_coefficients() -> None:
     records = _records(CalibratedStepTimeModel(COEFFS))
-    fitted, report = fit_step_model(records)
+    fit = fit_step_model(records)
+    fitted, report = fit.coefficients, fit.report
     for got, want in zip(fitted.as_vector(), COEFFS.as_vector(), strict=True):
         assert math.isclose(got, want, rel_tol=1e-4, abs_tol=1e-13)
     assert report.rows == len(records) and report.dropped == 0
@@ -112,7 +115,7 @@ def test_fit_is_unbiased_in_the_mean_and_drops_stalls() -> None:
     stalled = [IterationRecord(r.prev_end_s, r.start_s, r.prev_end_s + 0.2, r.num_prefill_tokens,
                                r.prefill_attn_work, r.num_decode_seqs, r.decode_kv_tokens, 0)
                if i % 250 == 0 else r for i, r in enumerate(records)]
-    _, report = fit_step_model(stalled)
+    report = fit_step_model(stalled).report
     assert report.dropped == 8
     assert report.total_rel_err < 0.02
     assert 0.05 < report.errors.median < 0.2

@@ -1,10 +1,14 @@
 """``rlbatch fidelity``: the calibrated simulator against a live vLLM engine, request by request.
 
 ``python -m rlbatch fidelity --profile PROFILE.json`` (or without ``--profile``: calibrate
-first) replays, per pool, each workload given (default: a slice of the Azure conversation
-trace and a Poisson generator, lengths scaled to the tiny model's context) on the live
-engine and on its simulated stand-in (:func:`rlbatch.tools.fidelity.run_fidelity`) and prints
-the errors.
+first) replays, per pool, each scenario (default: light, knee and overload Poisson traffic at
+0.25 / 0.85 / 1.3 times the capacity the calibrated simulator predicts, and a conversation
+workload with shared prefixes on an engine with prefix caching:
+:mod:`rlbatch.tools.fidelity_scenarios`), plus any trace slice or generator given, on the
+live engine and on its simulated stand-in (:func:`rlbatch.tools.fidelity.run_fidelity_models`)
+and prints the errors against the live engine's own run-to-run floor. ``--baseline`` also
+fits the batch-only step model (profile version 2's) on the same measurements and reports it
+beside the full one: before and after the engine-overhead terms, on the same live replays.
 """
 
 from __future__ import annotations
@@ -19,19 +23,31 @@ from typing import Any
 from rlbatch.commands.argtypes import parse_window
 from rlbatch.commands.catalog import HELP
 from rlbatch.commands.options import add_live_engine_options, live_engine_config_from_args
-from rlbatch.engine.vllm import kv_cache_dtype_for_pool, start_vllm_engine
-from rlbatch.profiles.calibrated import load_profile, save_profile
+from rlbatch.engine.vllm import (
+    IterationRecord,
+    VllmEngine,
+    VllmEngineConfig,
+    kv_cache_dtype_for_pool,
+    start_vllm_engine,
+)
+from rlbatch.profiles.calibrated import CalibratedProfile, load_profile, save_profile
 from rlbatch.tools.calibrate import calibrate
-from rlbatch.tools.fidelity import (
-    DEFAULT_GENERATOR,
-    FidelityReport,
+from rlbatch.tools.calibrate_fit import fit_step_model
+from rlbatch.tools.fidelity import FidelityReport, model_label, run_fidelity_models
+from rlbatch.tools.fidelity_scenarios import (
+    SCENARIOS,
+    capacity,
     default_trace,
-    run_fidelity,
     scale_workload,
+    scenario_workload,
 )
 from rlbatch.workload import Workload, load_trace, resolve_workload
 
-__all__ = ["add_arguments", "register", "run"]
+__all__ = ["CALIBRATION_BATCHES", "add_arguments", "register", "run"]
+
+CALIBRATION_BATCHES = [1, 4, 16]
+"""Batch sizes of the calibration sweep run here, then the engine's ``max_num_seqs``: the
+knee and the overload run batches up to it, where a fit on small batches extrapolates."""
 
 
 def register(sub: Any) -> None:
@@ -40,11 +56,20 @@ def register(sub: Any) -> None:
     :param sub: the dispatcher's subparsers.
     """
     fi = sub.add_parser("fidelity", help=HELP["fidelity"],
-                        description="Per-request TTFT/e2e error, throughput error and "
+                        description="Per-request TTFT/e2e error, bias, throughput error and "
                                     "preemptions of the simulator against a live vLLM engine "
-                                    "on the same workloads.")
+                                    "at light, knee and overload and on shared prefixes.")
     add_arguments(fi)
     fi.set_defaults(func=run)
+
+
+def _scenario_list(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [x for x in names if x not in SCENARIOS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown scenario(s) {unknown}; known: "
+                                         f"{', '.join(SCENARIOS)}")
+    return names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,30 +83,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "sweep; --save-profile keeps it)")
     parser.add_argument("--save-profile", default=None,
                         help="where to write the profile calibrated here")
+    parser.add_argument("--baseline", action="store_true",
+                        help="also fit the batch-only step model (profile version 2) on the "
+                             "same sweep, without the probes, and report it beside the full "
+                             "one (needs calibrating here)")
     w = parser.add_argument_group("workloads")
-    w.add_argument("--trace", default=str(default_trace()),
-                   help="trace file replayed (a slice; '' = none); default the Azure "
-                        "conversation trace")
+    w.add_argument("--scenarios", type=_scenario_list, default=list(SCENARIOS),
+                   help=f"scenarios replayed ('' = none; default {','.join(SCENARIOS)}: "
+                        f"loads relative to the simulated capacity, and conversations with "
+                        f"shared prefixes on an engine with prefix caching)")
+    w.add_argument("--trace", default="",
+                   help=f"a trace slice replayed too ('' = none; e.g. {default_trace()})")
     w.add_argument("--window", type=parse_window, default=(0.0, 60.0), metavar="START:END",
                    help="trace window in trace seconds (default 0:60)")
     w.add_argument("--rate-scale", type=float, default=4.0,
                    help="time compression of the trace slice (default 4)")
-    w.add_argument("--generator", default=DEFAULT_GENERATOR,
-                   help=f"generator spec replayed too ('' = none; default {DEFAULT_GENERATOR})")
+    w.add_argument("--generator", default="",
+                   help="a generator spec replayed too ('' = none; e.g. "
+                        "poisson:rate=8,duration=20,mix=azure-like)")
     w.add_argument("--prompt-scale", type=float, default=0.25,
                    help="factor on prompt lengths (default 0.25: the Azure trace's prompts "
                         "scaled to the tiny model's context)")
     w.add_argument("--output-scale", type=float, default=1.0,
-                   help="factor on output lengths (default 1)")
+                   help="factor on output lengths of --trace and --generator (default 1)")
     w.add_argument("--repeats", type=int, choices=(1, 2), default=2,
-                   help="live replays per workload; 2 (default) also measures the live "
-                        "engine's own repeatability, the floor of any simulator's error")
+                   help="measured live replays per workload; 2 (default) also measures the "
+                        "live engine's own repeatability, the floor of any simulator's error")
+    w.add_argument("--warmup", type=int, default=1,
+                   help="unmeasured live replays before those (default 1: the engine has run "
+                        "the workload's iteration sizes, as a server that has run a while)")
     w.add_argument("--max-requests", type=int, default=None, help="first N requests only")
     w.add_argument("--tick-s", type=float, default=1.0)
     w.add_argument("--json", default=None, help="write the report rows here")
 
 
-def _workloads(args: argparse.Namespace, max_model_len: int) -> list[Workload]:
+def _extra_workloads(args: argparse.Namespace, max_model_len: int) -> list[Workload]:
     out: list[Workload] = []
     if args.trace:
         trace = load_trace(args.trace, rate_scale=args.rate_scale, window_s=args.window,
@@ -92,39 +128,60 @@ def _workloads(args: argparse.Namespace, max_model_len: int) -> list[Workload]:
         gen = resolve_workload(args.generator, args.seed)
         out.append(scale_workload(gen, args.prompt_scale, max_model_len, args.max_requests,
                                   args.output_scale))
-    if not out:
-        raise ValueError("no workload: give --trace and/or --generator")
     return out
 
 
-def _print_report(rep: FidelityReport) -> None:
-    met = rep.targets_met()
-    print(f"{rep.workload} [{rep.pool}]: {rep.completed_live}/{rep.requests} live, "
-          f"{rep.completed_sim} simulated; live median TTFT {rep.ttft_p50_live_s * 1e3:.1f} ms, "
-          f"e2e {rep.e2e_p50_live_s * 1e3:.1f} ms")
-    for label, e in (("TTFT", rep.ttft), ("e2e", rep.e2e), ("TPOT", rep.tpot)):
-        print(f"  {label:5s} error: median {e.median:6.1%}  P90 {e.p90:6.1%}  P99 {e.p99:6.1%}"
-              f"  bias {e.bias:+6.1%}")
-    for label, pct in (("TTFT", rep.ttft_pct), ("e2e", rep.e2e_pct)):
-        if pct is not None:
-            print(f"  {label:5s} percentiles live/sim: "
-                  + "  ".join(f"P{q} {lv * 1e3:.1f}/{sv * 1e3:.1f} ms ({e:.1%})"
-                              for q, lv, sv, e in zip((50, 90, 99), pct.live, pct.sim,
-                                                      pct.rel_err, strict=True)))
-    for label, f in (("TTFT", rep.ttft_floor), ("e2e", rep.e2e_floor)):
-        if f is not None:
-            print(f"  {label:5s} live-vs-live floor: median {f.median:6.1%}  P90 {f.p90:6.1%}  "
-                  f"P99 {f.p99:6.1%}")
-    if rep.throughput_floor is not None:
-        print(f"  throughput live-vs-live floor: {rep.throughput_floor:.1%}")
-    print(f"  throughput: live {rep.throughput_live_tok_s:.0f} tok/s, sim "
-          f"{rep.throughput_sim_tok_s:.0f} tok/s, error {rep.throughput_rel_err:.1%}; "
-          f"preemptions live {rep.preemptions_live}, sim {rep.preemptions_sim}")
-    print("  targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in met.items()))
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _print_report(rep: FidelityReport, rate: str) -> None:
+    met = rep.floor_targets()
+    floor_t = rep.ttft_floor.median if rep.ttft_floor else None
+    floor_e = rep.e2e_floor.median if rep.e2e_floor else None
+    hits = "" if rep.prefix_hit_rate_live is None and rep.prefix_hit_rate_sim is None else (
+        f"  prefix hits live/sim {_pct(rep.prefix_hit_rate_live)}/"
+        f"{_pct(rep.prefix_hit_rate_sim)}")
+    print(f"{rep.workload:14s} {rep.pool:4s} {rate:>10s} {rep.model:5s} "
+          f"TTFT {rep.ttft.median:6.1%} (floor {_pct(floor_t)}) bias {rep.ttft.median_signed:+6.1%}"
+          f" | e2e {rep.e2e.median:6.1%} (floor {_pct(floor_e)}) bias "
+          f"{rep.e2e.median_signed:+6.1%} | thr {rep.throughput_rel_err:5.1%} "
+          f"(floor {_pct(rep.throughput_floor)}) | preempt {rep.preemptions_live}/"
+          f"{rep.preemptions_sim} | live TTFT p50 {rep.ttft_p50_live_s * 1e3:.1f} ms, e2e p50 "
+          f"{rep.e2e_p50_live_s * 1e3:.0f} ms, cpu wait {_pct(rep.live_cpu_wait)}{hits}")
+    if met is not None:
+        print("    targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}"
+                                           for k, v in met.items()))
 
 
 def _stderr(line: str) -> None:
     print(line, file=sys.stderr)
+
+
+def _profiles(args: argparse.Namespace, config: VllmEngineConfig, pool: str,
+              engine: VllmEngine) -> dict[str, CalibratedProfile]:
+    """The profile(s) to simulate: loaded, or calibrated on ``engine`` (and with
+    ``--baseline`` the batch-only fit of the same measurements)."""
+    if args.profile:
+        if args.baseline:
+            raise ValueError("--baseline needs calibrating here (no --profile)")
+        loaded = load_profile(args.profile)
+        return {model_label(loaded, pool): loaded}
+    records: dict[str, list[IterationRecord]] = {}
+    profile = calibrate(config, pools=[pool],
+                        batches=[*CALIBRATION_BATCHES, config.max_num_seqs],
+                        prompt_lens=[16, 256, 1024], output_lens=[32],
+                        engines={pool: engine}, log=_stderr, records_out=records)
+    if args.save_profile:
+        save_profile(profile, args.save_profile)
+    out = {"all": profile}
+    if args.baseline:
+        # the model before issue 12: batch terms only, fitted on the sweep without the probes
+        fit = fit_step_model(records[f"{pool}:sweep"], terms="batch")
+        base = replace(profile.pools[pool], coefficients=fit.coefficients, fit=fit.report,
+                       wake=fit.wake, shape_cache=fit.shape_cache)
+        out = {"batch": replace(profile, pools={**profile.pools, pool: base}), **out}
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -135,27 +192,42 @@ def run(args: argparse.Namespace) -> int:
     config = live_engine_config_from_args(args)
     rows: list[dict[str, Any]] = []
     for pool in args.pools:
-        engine = start_vllm_engine(replace(config, kv_cache_dtype=kv_cache_dtype_for_pool(pool)),
-                                   pool=pool, num_buckets=4)
+        pool_config = replace(config, kv_cache_dtype=kv_cache_dtype_for_pool(pool))
+        engine = start_vllm_engine(pool_config, pool=pool, num_buckets=4)
+        cached: VllmEngine | None = None
         try:
             print(f"{pool} engine ready in {engine.startup_s:.1f} s ({engine.num_kv_blocks} KV "
                   f"blocks of {engine.block_size} tokens)", file=sys.stderr)
-            if args.profile:
-                profile = load_profile(args.profile)
-            else:
-                profile = calibrate(config, pools=[pool], batches=[1, 4, 16],
-                                    prompt_lens=[16, 256, 1024], output_lens=[32],
-                                    engines={pool: engine},
-                                    log=_stderr)
-                if args.save_profile:
-                    save_profile(profile, args.save_profile)
-            for workload in _workloads(args, engine.max_model_len):
-                rep = run_fidelity(profile, engine, workload, tick_s=args.tick_s,
-                                   repeats=args.repeats)
-                _print_report(rep)
-                rows.append(rep.to_row())
+            profiles = _profiles(args, config, pool, engine)
+            main = profiles[next(reversed(profiles))]
+            jobs: list[tuple[VllmEngine, Workload, str]] = []
+            for name in args.scenarios:
+                scenario = SCENARIOS[name]
+                target = engine
+                if scenario.prefix_caching:
+                    if cached is None:
+                        cached = start_vllm_engine(replace(pool_config,
+                                                           enable_prefix_caching=True),
+                                                   pool=pool, num_buckets=4)
+                    target = cached
+                cap = capacity(main, target, scenario, prompt_scale=args.prompt_scale,
+                               seed=args.seed)
+                rate = scenario.load * cap
+                unit = "conv/s" if scenario.prefix_caching else "req/s"
+                jobs.append((target, scenario_workload(
+                    scenario, rate, target.max_model_len, prompt_scale=args.prompt_scale,
+                    seed=args.seed), f"{rate:.2f} {unit}"))
+                _stderr(f"  {name}: capacity {cap:.2f} {unit} (simulated), rate {rate:.2f}")
+            jobs += [(engine, w, "-") for w in _extra_workloads(args, engine.max_model_len)]
+            for target, workload, label in jobs:
+                for rep in run_fidelity_models(profiles, target, workload, tick_s=args.tick_s,
+                                               repeats=args.repeats, warmup=args.warmup):
+                    _print_report(rep, label)
+                    rows.append({**rep.to_row(), "rate": label})
         finally:
             engine.close()
+            if cached is not None:
+                cached.close()
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")

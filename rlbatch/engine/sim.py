@@ -154,6 +154,7 @@ class SimEngine(SimScheduler):
         if not self.is_idle():
             raise RuntimeError("advance_idle called on a busy engine")
         if to_s > self._now:
+            self._note_idle(to_s - self._now)
             self._now = to_s
 
     def add_request(self, request: Request, bucket: int, prompt_tokens: int,

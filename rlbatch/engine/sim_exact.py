@@ -12,11 +12,22 @@ admission, hashes as blocks fill, loads from the host, release) lives in its bas
 :class:`~rlbatch.engine.sim_caches.CacheScheduler`; with the host tier, a request waiting for
 a copy from the host sits in the *loading* list, which joins the running list ahead of the
 waiting queue once its copy completed, and an engine with nothing else to run waits for it.
+
+A step-time model with :class:`~rlbatch.profiles.overheads.EngineOverheads` (a calibrated
+profile; the roofline GPU models have none, and their iterations are untouched) adds them to
+each iteration in :meth:`ExactScheduler._advance`: per request admitted, the finished
+requests' processing in the iteration after, the wake-up penalty of the iterations after an
+idle wait (:meth:`ExactScheduler._note_idle`) and a token count not run recently. Decode
+runs are skipped in closed form only when none of these is pending (the first iteration after
+a completion never is skipped, and the decode runs wait for the wake-up iterations to pass
+and for their size to be cached; a skipped run marks its size as just run).
 """
 
 from __future__ import annotations
 
-from collections import deque
+import math
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 
 from rlbatch.engine.config import EngineConfig
 from rlbatch.engine.host_tier import HostLink
@@ -81,6 +92,20 @@ class ExactScheduler(CacheScheduler):
         self._reserve = OutputReserve(config.kv_reserve, num_buckets, config.block_size,
                                       max_model_len, quantile=config.kv_reserve_quantile)
         self._decode_coeffs: dict[int, tuple[float, float]] = {}
+        # engine overheads (calibrated profiles only): the finished requests' processing due
+        # in the next iteration, the idle time before it (an engine starts cold), the wake-up
+        # penalty's scale and the iterations of it left
+        self._overheads = step_model.overheads()
+        self._carry_s = 0.0
+        self._idle_s = math.inf if self._overheads is not None else 0.0
+        self._wake_scale = 0.0
+        self._wake_k = 0
+        self._wake_left = 0
+        # token counts run, least recently first (the engine's matmul primitive cache)
+        self._shapes: OrderedDict[int, None] | None = (
+            OrderedDict() if self._overheads is not None and self._overheads.tracks_shapes
+            else None)
+        self._ever: set[int] = set()  # every token count run (the cache drops some)
 
     def _admission_blocked(self, hits_may_grow: bool = False) -> bool:
         """No waiting request can be admitted at the next iteration, nor at any pure-decode
@@ -166,6 +191,7 @@ class ExactScheduler(CacheScheduler):
             budget -= n
             i += 1
 
+        scheduled = len(sched)
         if not preempted:
             budget, free, prefill_tokens, attn_work = self._admit_waiting(
                 sched, None, budget, free, prefill_tokens, attn_work)
@@ -177,7 +203,8 @@ class ExactScheduler(CacheScheduler):
             if not preempted and self._loading:
                 self._wait_for_loads(bound_s)
             return
-        now = self._advance(prefill_tokens, attn_work, num_decode, kv_decode)
+        now = self._advance(prefill_tokens, attn_work, num_decode, kv_decode,
+                            len(sched) - scheduled)
         for seq, n in sched:
             self._account(seq, n, now)
         self._note_usage()
@@ -234,13 +261,16 @@ class ExactScheduler(CacheScheduler):
         return budget, free, prefill_tokens, attn_work
 
     def _advance(self, prefill_tokens: int, attn_work: float, num_decode: int,
-                 kv_decode: int) -> float:
-        """Run the clock over one iteration of that composition; the new time."""
+                 kv_decode: int, num_new: int = 0) -> float:
+        """Run the clock over one iteration of that composition (``num_new`` requests
+        admitted in it); the new time."""
         if prefill_tokens == 0:
             base, per_kv = self._coefficients(num_decode)
             dt = base + per_kv * kv_decode
         else:
             dt = self.step_model.step_time_s(prefill_tokens, attn_work, num_decode, kv_decode)
+        if self._overheads is not None:
+            dt += self._overhead_s(num_new, prefill_tokens + num_decode)
         self._last_start = self._now
         self._now += dt
         self._busy_s += dt
@@ -248,6 +278,65 @@ class ExactScheduler(CacheScheduler):
         self._prefill_tokens += prefill_tokens
         self._decode_tokens += num_decode
         return self._now
+
+    def _overhead_s(self, num_new: int, tokens: int) -> float:
+        """The engine overheads of the iteration being run (calibrated profiles)."""
+        oh = self._overheads
+        assert oh is not None
+        extra = oh.per_new_seq_s * num_new + self._carry_s
+        self._carry_s = 0.0
+        shapes = self._shapes
+        if shapes is not None:
+            if tokens in shapes:
+                shapes.move_to_end(tokens)
+            else:
+                self._run_shape(tokens)
+                extra += oh.new_shape_s + oh.new_shape_per_token_s * tokens
+                if tokens not in self._ever:
+                    self._ever.add(tokens)
+                    extra += oh.first_shape_s
+        if self._idle_s > 0.0:  # the first iteration after an idle wait
+            if oh.wake:
+                self._wake_scale = 1.0 - math.exp(-self._idle_s / oh.wake_tau_s)
+                self._wake_k = 0
+                self._wake_left = len(oh.wake)
+            self._idle_s = 0.0
+        if self._wake_left:
+            extra += self._wake_scale * oh.wake[self._wake_k]
+            self._wake_k += 1
+            self._wake_left -= 1
+        return extra
+
+    def _run_shape(self, tokens: int) -> None:
+        """``tokens`` becomes the most recently run size (the least recent one dropped when the
+        cache is full)."""
+        shapes = self._shapes
+        assert shapes is not None and self._overheads is not None
+        if tokens in shapes:
+            shapes.move_to_end(tokens)
+            return
+        shapes[tokens] = None
+        if 0 < self._overheads.shape_cache < len(shapes):
+            shapes.popitem(last=False)
+
+    def assume_token_counts(self, counts: Sequence[int]) -> None:
+        """Start as an engine that has run iterations of these sizes already, least recently
+        first (a live engine's :meth:`~rlbatch.engine.vllm.engine.VllmEngine.token_counts`,
+        to replay from its state); nothing without new-size costs.
+
+        :param counts: token counts of iterations run, least recently run first.
+        """
+        if self._shapes is not None:
+            for tokens in counts:
+                self._run_shape(tokens)
+            self._ever.update(counts)
+
+    def _note_idle(self, idle_s: float) -> None:
+        """The engine waited ``idle_s`` seconds with nothing to do: the next iteration wakes
+        it (the wait absorbs the finished requests' processing due)."""
+        if self._overheads is not None and idle_s > 0.0:
+            self._idle_s += idle_s
+            self._carry_s = max(0.0, self._carry_s - idle_s)
 
     def _account(self, seq: SimSeq, n: int, now: float) -> None:
         """A request computed ``n`` tokens in the iteration that ended at ``now``."""
@@ -279,6 +368,8 @@ class ExactScheduler(CacheScheduler):
         seq.grow_at = reserve.next_growth_at(grown, seq.kv_limit, seq.prompt_len)
 
     def _finish(self, seq: SimSeq, now: float) -> None:
+        if self._overheads is not None:
+            self._carry_s += self._overheads.per_finished_s
         self._running.remove(seq)
         self._in_running[seq.bucket] -= 1
         self._reserve.observe(seq.bucket, seq.num_output)

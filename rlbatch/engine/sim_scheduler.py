@@ -174,7 +174,7 @@ class SimScheduler(ExactScheduler):
             if self._loading:
                 self._wait_for_loads(bound_s)
             return True  # nothing to run (as the exact path)
-        now = self._advance(prefill_tokens, attn_work, num_decode, kv_decode)
+        now = self._advance(prefill_tokens, attn_work, num_decode, kv_decode, len(admitted))
         before = len(running)
         lane.epoch = epoch = epoch + 1
         if in_lane and lane.finish_heap[0][0] <= epoch:
@@ -211,7 +211,9 @@ class SimScheduler(ExactScheduler):
         allocation could fail (not included); whether any was advanced."""
         lane = self._lane
         n = lane.n
-        if n == 0 or self._explicit or n > self._budget or not self._admission_blocked():
+        if n == 0 or self._explicit or n > self._budget or self._wake_left \
+                or (self._shapes is not None and n not in self._shapes) \
+                or not self._admission_blocked():
             return False
         if self._loading:
             # the first iteration after a copy from the host completed may admit its request
@@ -269,6 +271,8 @@ class SimScheduler(ExactScheduler):
         self._iterations += k
         self._decode_tokens += n * k
         lane.epoch += k
+        if self._shapes is not None:
+            self._shapes.move_to_end(n)  # the run's size is the most recent
         if greedy and k == to_finish:
             # the last iteration finished requests: the peak is before their blocks return
             self._free_blocks = free + need

@@ -9,12 +9,30 @@ per pool, :class:`CalibratedStepTimeModel`:
            + per_attn_work * causal prefill attention work (token pairs)
            + (per_kv_token + per_kv_token_seq * decoding sequences) * decode KV tokens
 
+plus the engine's overheads outside the forward pass (:class:`~rlbatch.profiles.step_time.
+EngineOverheads`, measured per pool since profile version 3; the simulator adds them, see
+:mod:`rlbatch.engine.sim_exact`):
+
+    + per_new_seq * requests scheduled for the first time (``add_request``, the model
+      runner's new request state)
+    + per_finished * requests that finished in the previous iteration (output processing
+      and rlbatch's bookkeeping, after their finish time; an idle wait absorbs it)
+    + wake * (1 - exp(-idle / wake_tau)) * wake_decay ** k at the k-th iteration after the
+      engine waited ``idle`` seconds with nothing to do (the engine's working set left the
+      CPU caches while other processes ran: the first iterations after a wait run slower,
+      :func:`wake_penalty_s`)
+    + (new_shape + new_shape_per_token * tokens) * [the iteration's token count is not among
+      the last ``shape_cache`` counts the engine ran] (vLLM's CPU backend builds oneDNN
+      matmul primitives, a JIT compile, for each row count and keeps the recent ones)
+    + first_shape * [the engine never ran that count] (the first build costs more)
+
 with non-negative coefficients. A :class:`CalibratedProfile` holds each pool's coefficients,
 KV block count and fit quality plus the engine's block size and budgets: everything the
 simulator needs to stand in for the live engine (the simulated engines are built by
 :func:`rlbatch.serving.builders.build_deployment` with ``DeploymentSpec(profile=FILE)``).
 :func:`save_profile` / :func:`load_profile` are the JSON file format (``kind``
-``rlbatch-step-profile``, version 2; version 1 files are still read).
+``rlbatch-step-profile``, version 3; versions 1 and 2, without the overheads, are still
+read and simulate as before).
 """
 
 from __future__ import annotations
@@ -28,26 +46,38 @@ from typing import Any
 
 import numpy as np
 
+from rlbatch.profiles.overheads import (
+    WAKE_FLOOR,
+    EngineOverheads,
+    WakeShape,
+    shape_miss,
+    wake_penalty_s,
+)
 from rlbatch.profiles.relative_error import RelativeErrors
 from rlbatch.profiles.step_time import StepTimeModel
 
 __all__ = [
     "PROFILE_KIND",
     "PROFILE_VERSION",
+    "WAKE_FLOOR",
     "CalibratedProfile",
     "CalibratedStepTimeModel",
     "FitReport",
     "PoolProfile",
     "StepCoefficients",
+    "WakeShape",
     "load_profile",
     "profile_from_dict",
     "save_profile",
+    "shape_miss",
     "step_features",
+    "wake_penalty_s",
 ]
 
 PROFILE_KIND = "rlbatch-step-profile"
-PROFILE_VERSION = 2
-_READABLE_VERSIONS = (1, 2)
+PROFILE_VERSION = 3
+_READABLE_VERSIONS = (1, 2, 3)
+
 
 
 @dataclass(frozen=True)
@@ -62,6 +92,19 @@ class StepCoefficients:
     :param per_kv_token_s: per KV token a decoding sequence attends to.
     :param per_kv_token_seq_s: per KV token per decoding sequence (the KV cost per token grows
         with the batch as the KV working set outgrows the caches; 0 on a GPU typically).
+    :param per_new_seq_s: per request scheduled for the first time (or again after a
+        preemption): rlbatch's ``add_request`` and vLLM's input processing, the model
+        runner's new request state.
+    :param per_finished_s: per request finished in the previous iteration: vLLM's output
+        processing and rlbatch's record of it, after the request's finish time.
+    :param wake_s: extra time of the first iteration after a long idle wait (scaled by
+        :class:`WakeShape` for shorter waits and later iterations).
+    :param new_shape_s: extra time of an iteration whose token count the engine runs for the
+        first time.
+    :param new_shape_per_token_s: the same, per token of that count.
+    :param first_shape_s: extra time when the engine runs that count for the first time (the
+        first build of its primitives costs more than building them again after the cache
+        dropped them).
     """
 
     fixed_s: float
@@ -71,6 +114,12 @@ class StepCoefficients:
     per_attn_work_s: float
     per_kv_token_s: float
     per_kv_token_seq_s: float = 0.0
+    per_new_seq_s: float = 0.0
+    per_finished_s: float = 0.0
+    wake_s: float = 0.0
+    new_shape_s: float = 0.0
+    new_shape_per_token_s: float = 0.0
+    first_shape_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -90,18 +139,28 @@ class StepCoefficients:
 
 
 def step_features(num_prefill_tokens: float, prefill_attn_work: float, num_decode_seqs: float,
-              decode_kv_tokens: float) -> list[float]:
+                  decode_kv_tokens: float, num_new_seqs: float = 0.0,
+                  num_finished: float = 0.0, wake: float = 0.0,
+                  new_shape: bool = False, first_shape: bool = False) -> list[float]:
     """The model's regressors of one iteration, in :class:`StepCoefficients` field order.
 
     :param num_prefill_tokens: prompt tokens scheduled.
     :param prefill_attn_work: causal attention work of the prefill chunks, token pairs.
     :param num_decode_seqs: sequences decoding one token each.
     :param decode_kv_tokens: context the decoding sequences attend to.
+    :param num_new_seqs: requests scheduled for the first time.
+    :param num_finished: requests finished in the iteration (processed after it).
+    :param wake: the wake factor ``scale(idle) * decay ** k`` (0 when warm).
+    :param new_shape: the engine runs this token count without its matmul primitives (never,
+        or not among the last ``shape_cache`` counts: :func:`shape_miss`).
+    :param first_shape: it has never run this token count.
     """
     has_prefill = 1.0 if num_prefill_tokens > 0 else 0.0
-    return [1.0, has_prefill, num_prefill_tokens + num_decode_seqs,
-            num_decode_seqs + has_prefill, prefill_attn_work, decode_kv_tokens,
-            decode_kv_tokens * num_decode_seqs]
+    tokens = num_prefill_tokens + num_decode_seqs
+    shape = 1.0 if new_shape else 0.0
+    return [1.0, has_prefill, tokens, num_decode_seqs + has_prefill, prefill_attn_work,
+            decode_kv_tokens, decode_kv_tokens * num_decode_seqs, num_new_seqs,
+            num_finished, wake, shape, shape * tokens, 1.0 if first_shape else 0.0]
 
 
 class CalibratedStepTimeModel(StepTimeModel):
@@ -112,15 +171,43 @@ class CalibratedStepTimeModel(StepTimeModel):
     in ``kv`` for a given ``n``, which is what
     :meth:`decode_coefficients` returns, so the simulator's event skipping stays exact.
 
+    The overhead terms (per new and finished request, wake-up, new token counts) are not
+    part of :meth:`step_time_s`: the simulated engine adds them from :meth:`overheads`, since
+    they depend on the engine's history (what finished, how long it idled, which iteration
+    sizes it ran), not on the batch alone.
+
     :param coefficients: the fitted coefficients.
     :param name: label (profile and pool).
+    :param wake: shape of the wake penalty.
+    :param shape_cache: iteration sizes whose matmul primitives the engine keeps (LRU; 0: all).
     """
 
-    def __init__(self, coefficients: StepCoefficients, name: str = "calibrated") -> None:
+    def __init__(self, coefficients: StepCoefficients, name: str = "calibrated",
+                 wake: WakeShape | None = None, shape_cache: int = 0) -> None:
+        if shape_cache < 0:
+            raise ValueError(f"shape_cache must be >= 0, got {shape_cache}")
         self.coefficients = coefficients
         self.name = name
+        self.wake = wake or WakeShape()
+        self.shape_cache = shape_cache
         c = coefficients
         self._w = np.array(c.as_vector(), dtype=np.float64)
+        self._overheads: EngineOverheads | None = None
+        if c.per_new_seq_s or c.per_finished_s or c.wake_s or c.new_shape_s \
+                or c.new_shape_per_token_s or c.first_shape_s:
+            shape = self.wake
+            self._overheads = EngineOverheads(
+                per_new_seq_s=c.per_new_seq_s, per_finished_s=c.per_finished_s,
+                wake=tuple(wake_penalty_s(c.wake_s, shape, math.inf, k)
+                           for k in range(shape.iterations)) if c.wake_s else (),
+                wake_tau_s=shape.tau_s, new_shape_s=c.new_shape_s,
+                new_shape_per_token_s=c.new_shape_per_token_s, shape_cache=shape_cache,
+                first_shape_s=c.first_shape_s)
+
+    def overheads(self) -> EngineOverheads | None:
+        """The engine overheads the simulator adds (``None`` when the profile has none:
+        versions 1 and 2)."""
+        return self._overheads
 
     def step_time_s(self, num_prefill_tokens: int, prefill_attn_work: float,
                     num_decode_seqs: int, decode_kv_tokens: int) -> float:
@@ -161,8 +248,7 @@ class CalibratedStepTimeModel(StepTimeModel):
                 c.per_kv_token_s + c.per_kv_token_seq_s * num_decode_seqs)
 
     def __repr__(self) -> str:
-        return f"CalibratedStepTimeModel({self.name!r}, {self.coefficients})"
-
+        return f"CalibratedStepTimeModel({self.name!r}, {self.coefficients}, {self.wake})"
 
 
 @dataclass(frozen=True)
@@ -209,12 +295,17 @@ class PoolProfile:
     :param num_kv_blocks: KV blocks of the engine measured.
     :param kv_cache_dtype: vLLM ``kv_cache_dtype`` of the pool.
     :param fit: fit quality.
+    :param wake: shape of the wake penalty (version 3).
+    :param shape_cache: iteration sizes whose matmul primitives the engine keeps (version 3;
+        0: all).
     """
 
     coefficients: StepCoefficients
     num_kv_blocks: int
     kv_cache_dtype: str
     fit: FitReport
+    wake: WakeShape = field(default_factory=WakeShape)
+    shape_cache: int = 0
 
 
 @dataclass(frozen=True)
@@ -267,7 +358,9 @@ class CalibratedProfile:
 
         :param pool: ``fp16`` or ``fp8``.
         """
-        return CalibratedStepTimeModel(self.pool(pool).coefficients, f"{self.name}:{pool}")
+        p = self.pool(pool)
+        return CalibratedStepTimeModel(p.coefficients, f"{self.name}:{pool}", p.wake,
+                                       p.shape_cache)
 
     def num_kv_blocks(self, pool: str) -> int:
         """KV blocks of ``pool``'s engine.
@@ -304,7 +397,9 @@ def profile_from_dict(data: dict[str, Any], source: str = "<profile>") -> Calibr
                 coefficients=StepCoefficients(**raw["coefficients"]),
                 num_kv_blocks=int(raw["num_kv_blocks"]),
                 kv_cache_dtype=str(raw["kv_cache_dtype"]),
-                fit=FitReport.from_dict(raw["fit"]))
+                fit=FitReport.from_dict(raw["fit"]),
+                wake=WakeShape(**raw.get("wake", {})),
+                shape_cache=int(raw.get("shape_cache", 0)))
         if not pools:
             raise ValueError("no pool")
         profile = CalibratedProfile(

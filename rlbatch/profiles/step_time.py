@@ -28,6 +28,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Literal
 
+from rlbatch.profiles.overheads import EngineOverheads
 from rlbatch.profiles.roofline import (
     ACTIVATION_BYTES,
     dense_linear_shapes,
@@ -55,6 +56,7 @@ _NCCL_RESERVE_BYTES = 256 * 2**20
 
 _CACHE_LIMIT = 1 << 16
 """Per-instance memo tables stop growing beyond this many entries (then compute directly)."""
+
 
 class StepTimeModel(ABC):
     """Swappable latency model of one engine iteration (vidur's BaseExecutionTimePredictor role).
@@ -84,6 +86,11 @@ class StepTimeModel(ABC):
 
         :param num_decode_seqs: sequences decoding one token each.
         """
+
+    def overheads(self) -> EngineOverheads | None:
+        """Engine overheads beyond :meth:`step_time_s` (``None``: none; the roofline model
+        has none, its fixed per-iteration overhead is part of the step)."""
+        return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,16 @@ engine's previous action to the end of this iteration, so rlbatch's own loop (ad
 bookkeeping) is in it, as it is in the live runs the simulator must reproduce. Every replay
 is a :class:`~rlbatch.serving.loop.ControlLoop` under a fixed action (no caps).
 
+Besides the batch's composition, each record carries what the engine's overheads depend on
+(requests admitted and finished, the idle wait before the busy period and the iterations
+since): the fit measures the per-request terms and the wake-up penalty with the rest
+(:class:`~rlbatch.profiles.calibrated.StepCoefficients`), the wake-up's shape (decay per
+iteration, idle time scale) by a grid search around the linear fit. The sweep's points all
+start after an idle wait (``pause_s``), so without the wake-up term its cost lands in the
+prefill terms and every prefill of a busy engine is charged it (the light-load bias of
+issue 12). A wake probe (single requests after idle waits of 0.5-50 ms) measures how the
+penalty grows with the wait.
+
 Command line: ``rlbatch calibrate`` (:mod:`rlbatch.commands.calibrate`).
 """
 
@@ -40,27 +50,22 @@ from rlbatch.engine.vllm import (
     kv_cache_dtype_for_pool,
     start_vllm_engine,
 )
-from rlbatch.profiles.calibrated import (
-    CalibratedProfile,
-    FitReport,
-    PoolProfile,
-    StepCoefficients,
-    step_features,
-)
-from rlbatch.profiles.relative_error import RelativeErrors
+from rlbatch.profiles.calibrated import CalibratedProfile, PoolProfile
 from rlbatch.request import Request
 from rlbatch.serving.admission import AdmissionConfig
 from rlbatch.serving.deployment import Deployment, assemble_deployment
 from rlbatch.serving.loop import ControlLoop
+from rlbatch.tools.calibrate_fit import fit_step_model
 from rlbatch.workload import azure_like_mix, poisson
 
 __all__ = [
     "DEFAULT_BATCHES",
     "DEFAULT_OUTPUT_LENS",
     "DEFAULT_PROMPT_LENS",
+    "SHAPE_PROBE_PROMPTS",
+    "WAKE_PROBE_IDLE_S",
     "calibrate",
     "default_traffic",
-    "fit_step_model",
     "run_sweep",
 ]
 
@@ -68,66 +73,18 @@ DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32)
 DEFAULT_PROMPT_LENS = (16, 128, 512, 1024)
 DEFAULT_OUTPUT_LENS = (16, 96)
 
+WAKE_PROBE_IDLE_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05) * 3
+"""Idle waits before the wake probe's single requests (each value three times)."""
+
+SHAPE_PROBE_PROMPTS = (24, 40, 64, 96, 160, 256, 384, 512, 768, 1024)
+"""Prompt lengths of the shape probe (each run twice: a new iteration size, then a known one)."""
+
+
 REPLAY_TICK_S = 0.25
 """Control interval of the calibration replays (snapshots only: the action is fixed)."""
 
 Log = Callable[[str], None]
 FloatArray = npt.NDArray[np.float64]
-
-
-# --------------------------------------------------------------------------- fitting
-
-
-def _durations(records: Sequence[IterationRecord]) -> FloatArray:
-    return np.array([r.end_s - r.prev_end_s for r in records], dtype=np.float64)
-
-
-def _design(records: Sequence[IterationRecord]) -> FloatArray:
-    return np.array([step_features(r.num_prefill_tokens, r.prefill_attn_work,
-                                   r.num_decode_seqs, r.decode_kv_tokens) for r in records],
-                    dtype=np.float64)
-
-
-def fit_step_model(records: Sequence[IterationRecord], outlier_factor: float = 5.0,
-                   rounds: int = 6) -> tuple[StepCoefficients, FitReport]:
-    """Fit :class:`StepCoefficients` to measured iterations.
-
-    Non-negative least squares on the relative error, reweighted by the current prediction
-    (IRLS with weights ``1 / predicted``), which keeps the fit unbiased in the mean; after
-    the third round, iterations measured more than ``outlier_factor`` times the model (stalls)
-    are dropped.
-
-    :param records: measured iterations (at least 8).
-    :param outlier_factor: drop rows whose measurement exceeds the model by this factor.
-    :param rounds: reweighting rounds (>= 3).
-    :raises ValueError: too few rows.
-    """
-    from scipy.optimize import nnls  # scipy only when a fit runs
-
-    if len(records) < 8:
-        raise ValueError(f"need at least 8 measured iterations to fit, got {len(records)}")
-    x = _design(records)
-    y = _durations(records)
-    keep = y > 0
-    scale = np.maximum(np.abs(x).max(axis=0), 1.0)
-    xs = x / scale
-    pred = np.where(keep, y, 1.0)
-    w = np.zeros(x.shape[1])
-    for i in range(max(3, rounds)):
-        weight = 1.0 / np.maximum(pred, 1e-7)
-        w, _ = nnls(xs[keep] * weight[keep, None], y[keep] * weight[keep], maxiter=50 * len(w))
-        pred = xs @ w
-        if i == 2:
-            keep &= y <= outlier_factor * np.maximum(pred, 1e-9)
-    coefficients = StepCoefficients.from_vector((w / scale).tolist())
-    pred = x[keep] @ np.array(coefficients.as_vector())
-    meas = y[keep]
-    total = float(meas.sum())
-    report = FitReport(
-        rows=int(keep.sum()), dropped=int(len(records) - keep.sum()),
-        errors=RelativeErrors.of(meas, pred),
-        total_rel_err=float(abs(pred.sum() - total) / total), measured_s=total)
-    return coefficients, report
 
 
 # --------------------------------------------------------------------------- the sweep
@@ -162,7 +119,9 @@ def _replay(deployment: Deployment, action: ControlAction, requests: Sequence[Re
 
 def run_sweep(engine: VllmEngine, batches: Sequence[int], prompt_lens: Sequence[int],
               output_lens: Sequence[int], *, stagger_s: float | None = None,
-              pause_s: float = 0.02, traffic: Sequence[Request] = ()) -> list[IterationRecord]:
+              pause_s: float = 0.02, traffic: Sequence[Request] = (),
+              wake_probe: Sequence[float] = (), shape_probe: Sequence[int] = (),
+              marks: dict[str, int] | None = None) -> list[IterationRecord]:
     """Drive ``engine`` through the profiling sweep and return every iteration it ran.
 
     Each (batch, prompt, output) point runs ``batch`` requests as a burst, then again with
@@ -180,6 +139,17 @@ def run_sweep(engine: VllmEngine, batches: Sequence[int], prompt_lens: Sequence[
     :param stagger_s: arrival gap of the staggered runs (``0`` skips them).
     :param pause_s: idle time between points.
     :param traffic: a workload replayed after the sweep (lengths must fit the engine).
+    :param wake_probe: idle waits (seconds) before single short requests (32 prompt and 16
+        output tokens) run after the traffic: how the wake-up grows with the wait.
+    :param shape_probe: prompt lengths of single-token requests arriving one by one (20 ms
+        apart) while a long request decodes, all of them twice: each prefill runs once with
+        an iteration size the engine has not run (new matmul primitives) and once with one it
+        has, on a busy engine (the sweep's own prefills are nearly all new sizes right after
+        an idle wait); then 400 small sizes, and all of them again newest first, which
+        revisits sizes after 0 to 399 others (how many sizes the engine keeps the primitives
+        of, and what one it dropped costs).
+    :param marks: filled with ``probes``: how many of the records come before the probes
+        (the sweep and the traffic alone).
     """
     if not engine.is_idle():
         raise RuntimeError("run_sweep needs an idle engine")
@@ -208,10 +178,54 @@ def run_sweep(engine: VllmEngine, batches: Sequence[int], prompt_lens: Sequence[
             _replay(deployment, action,
                     [Request(next_id + i, pause_s + r.arrival_s, r.prompt_tokens,
                              r.max_output_tokens) for i, r in enumerate(traffic)], engine)
+            next_id += len(traffic)
+        if marks is not None:
+            marks["probes"] = len(engine.iterations or [])
+        prompt = max(1, min(32, engine.max_model_len - 16))
+        for k, idle in enumerate(wake_probe):
+            _replay(deployment, action, [Request(next_id + k, idle, prompt, 16)], engine)
+        next_id += len(wake_probe)
+        if shape_probe:
+            _replay(deployment, action, _shape_probe_requests(
+                engine, shape_probe, next_id, pause_s), engine)
+            next_id += 1 + 2 * len(shape_probe)
+            _replay(deployment, action, _cache_probe_requests(engine, next_id, pause_s),
+                    engine)
     finally:
         records = engine.stop_recording()
         engine.set_max_num_seqs(previous_cap)
     return records
+
+
+def _shape_probe_requests(engine: VllmEngine, prompts: Sequence[int], start_id: int,
+                          t0: float, gap_s: float = 0.02) -> list[Request]:
+    """A long decoding request, then every prompt length twice as a one-token request,
+    ``gap_s`` apart (see :func:`run_sweep`)."""
+    limit = min(engine.max_model_len, engine.config.max_num_batched_tokens) - 1
+    lengths = [max(1, min(p, limit)) for p in prompts] * 2
+    output = max(1, min(round(1.5 * len(lengths) * gap_s / _decode_guess(engine)),
+                        engine.max_model_len - 16))
+    out = [Request(start_id, t0, 16, output)]
+    out += [Request(start_id + 1 + i, t0 + (i + 1) * gap_s, p, 1)
+            for i, p in enumerate(lengths)]
+    return out
+
+
+def _cache_probe_requests(engine: VllmEngine, start_id: int, t0: float, sizes: int = 400,
+                          gap_s: float = 0.004) -> list[Request]:
+    """One-token requests of ``sizes`` distinct prompt lengths (2, 3, ...), then all of them
+    again, newest first, ``gap_s`` apart, while long requests decode (one started every
+    second): the k-th revisit comes after k other sizes, which tells how many sizes the
+    engine's matmul primitive cache holds and what a size it dropped costs."""
+    limit = min(engine.max_model_len, engine.config.max_num_batched_tokens) - 1
+    first = [2 + i for i in range(min(sizes, limit - 1))]
+    lengths = first + first[::-1]
+    span = (len(lengths) + 1) * gap_s
+    output = max(1, min(round(1.2 / _decode_guess(engine)), engine.max_model_len - 17))
+    out = [Request(start_id + k, t0 + k, 16, output) for k in range(math.ceil(span))]
+    base = start_id + len(out)
+    out += [Request(base + i, t0 + (i + 1) * gap_s, p, 1) for i, p in enumerate(lengths)]
+    return sorted(out, key=lambda r: r.arrival_s)
 
 
 def default_traffic(max_model_len: int, duration_s: float = 8.0, rate_rps: float = 10.0,
@@ -254,8 +268,12 @@ def calibrate(config: VllmEngineConfig, *, pools: Sequence[str] = ("fp16",),
               prompt_lens: Sequence[int] = DEFAULT_PROMPT_LENS,
               output_lens: Sequence[int] = DEFAULT_OUTPUT_LENS,
               stagger_s: float | None = None, traffic_s: float = 8.0,
+              wake_probe: Sequence[float] = WAKE_PROBE_IDLE_S,
+              shape_probe: Sequence[int] = SHAPE_PROBE_PROMPTS, terms: str = "all",
               name: str | None = None, engines: dict[str, VllmEngine] | None = None,
-              log: Log | None = None) -> CalibratedProfile:
+              log: Log | None = None,
+              records_out: dict[str, list[IterationRecord]] | None = None
+              ) -> CalibratedProfile:
     """Run the profiling sweep on a live engine per pool and fit the simulator's model.
 
     :param config: engine settings (each pool's ``kv_cache_dtype`` is set from the pool).
@@ -267,10 +285,15 @@ def calibrate(config: VllmEngineConfig, *, pools: Sequence[str] = ("fp16",),
         bursts only).
     :param traffic_s: seconds of Poisson calibration traffic after the sweep
         (:func:`default_traffic`; 0 = none).
+    :param wake_probe: idle waits of the wake probe (:func:`run_sweep`; ``()``: none).
+    :param shape_probe: prompt lengths of the shape probe (:func:`run_sweep`; ``()``: none).
+    :param terms: ``all`` (default) or ``batch`` (:func:`fit_step_model`).
     :param name: profile name (default ``<model>-<device>``).
     :param engines: started engines to use, by pool (they are left running); pools without
         one get an engine started here and closed after.
     :param log: called with each progress line (default: none).
+    :param records_out: filled with each pool's measured iterations (to fit other models on
+        the same measurements), and under ``POOL:sweep`` those before the probes.
     """
     if not pools:
         raise ValueError("calibrate needs at least one pool")
@@ -296,14 +319,21 @@ def calibrate(config: VllmEngineConfig, *, pools: Sequence[str] = ("fp16",),
             started = time.monotonic()
             load = default_traffic(engine.max_model_len, duration_s=traffic_s) \
                 if traffic_s > 0 else []
+            marks: dict[str, int] = {}
             records = run_sweep(engine, batches, prompt_lens, output_lens, stagger_s=stagger_s,
-                                traffic=load)
-            coefficients, report = fit_step_model(records)
+                                traffic=load, wake_probe=wake_probe,
+                                shape_probe=shape_probe, marks=marks)
+            if records_out is not None:
+                records_out[pool] = records
+                records_out[f"{pool}:sweep"] = records[:marks.get("probes", len(records))]
+            fit = fit_step_model(records, terms=terms)
+            report = fit.report
             say(f"  {pool}: {len(records)} iterations in {time.monotonic() - started:.1f} s; "
                 f"fit median {report.errors.median:.1%}, p90 {report.errors.p90:.1%}, "
                 f"total {report.total_rel_err:.1%}")
-            results[pool] = PoolProfile(coefficients, engine.num_kv_blocks,
-                                        kv_cache_dtype_for_pool(pool), report)
+            results[pool] = PoolProfile(fit.coefficients, engine.num_kv_blocks,
+                                        kv_cache_dtype_for_pool(pool), report, fit.wake,
+                                        fit.shape_cache)
             reading = engine.telemetry.read()
             device = reading.devices[0].name if reading.devices else \
                 f"cpu ({platform.processor() or platform.machine()})"
@@ -322,5 +352,7 @@ def calibrate(config: VllmEngineConfig, *, pools: Sequence[str] = ("fp16",),
         max_num_batched_tokens=config.max_num_batched_tokens,
         gpu_memory_total_bytes=total_memory, pools=results,
         sweep={"batches": list(batches), "prompt_lens": list(prompt_lens),
-               "output_lens": list(output_lens), "traffic_s": [round(traffic_s)]},
+               "output_lens": list(output_lens), "traffic_s": [round(traffic_s)],
+               "wake_probe_us": [round(v * 1e6) for v in wake_probe],
+               "shape_probe": list(shape_probe)},
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))

@@ -5,6 +5,7 @@ re-based to start at 0, with a record of skipped rows and applied transforms.
 """
 
 from rlbatch.workload.base import RequestRow, Workload, build_workload, declare_max_tokens
+from rlbatch.workload.conversations import conversations
 from rlbatch.workload.generators import bursty, diurnal, poisson
 from rlbatch.workload.lengths import (
     DEFAULT_CONTEXT_TOKENS,
@@ -43,6 +44,7 @@ __all__ = [
     "azure_like_mix",
     "build_workload",
     "bursty",
+    "conversations",
     "day_mix",
     "declare_max_tokens",
     "detect_format",

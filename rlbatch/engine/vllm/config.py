@@ -59,6 +59,11 @@ class VllmEngineConfig:
     :param kv_reserve: how the admission budget counts a request's KV (as the simulator's
         :class:`~rlbatch.engine.config.EngineConfig`).
     :param kv_reserve_quantile: output quantile ``observed`` reserves at admission.
+    :param enable_prefix_caching: vLLM's automatic prefix caching. Off by default: prompts
+        without ``prefix_ids`` are cut from one token pool at offsets by request id, so any
+        hit would be accidental; requests with ``prefix_ids`` get the tokens those ids name
+        (:meth:`~rlbatch.engine.vllm.engine.VllmEngine.prompt_token_ids`), so their shared
+        blocks hit as the simulator's prefix cache assumes.
     """
 
     model: str = TINY_MODEL
@@ -77,6 +82,7 @@ class VllmEngineConfig:
     quiet: bool = True
     kv_reserve: KvReserveMode = "observed"
     kv_reserve_quantile: float = 0.9
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         if not self.model:

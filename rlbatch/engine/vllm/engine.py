@@ -53,17 +53,23 @@ module costs nothing and mypy does not walk vLLM's sources.
 from __future__ import annotations
 
 import importlib
+import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
-
-import numpy as np
 
 from rlbatch.engine.reserve import OutputReserve
 from rlbatch.engine.stats import EngineStats, FinishedRequest
 from rlbatch.engine.telemetry import MemoryTelemetry
 from rlbatch.engine.vllm.clock import LiveClock
 from rlbatch.engine.vllm.config import VllmEngineConfig
-from rlbatch.engine.vllm.probe import IterationRecord, SchedulerProbe, StatCollector
+from rlbatch.engine.vllm.probe import (
+    IterationRecord,
+    SchedulerProbe,
+    StatCollector,
+    StepTimer,
+)
+from rlbatch.engine.vllm.prompts import PromptTokens
 from rlbatch.request import Request
 
 __all__ = ["VllmEngine"]
@@ -117,9 +123,6 @@ class VllmEngine:
                  record_iterations: bool = False, startup_s: float = 0.0) -> None:
         if num_buckets < 1:
             raise ValueError(f"num_buckets must be >= 1, got {num_buckets}")
-        if len(prompt_pool) < 2 * config.max_model_len:
-            raise ValueError(f"prompt_pool holds {len(prompt_pool)} ids, fewer than 2 x "
-                             f"max_model_len ({config.max_model_len})")
         self.engine_id = engine_id
         self.pool = pool
         self.config = config
@@ -129,7 +132,7 @@ class VllmEngine:
         self.telemetry = telemetry or MemoryTelemetry()
         self._engine = llm_engine
         self._stats = stats
-        self._prompt_pool = np.asarray(prompt_pool, dtype=np.int64)
+        self._prompts = PromptTokens(prompt_pool, config.max_model_len, config.seed)
         core = llm_engine.engine_core.engine_core
         self._scheduler = core.scheduler
         cache_config = llm_engine.vllm_config.cache_config
@@ -139,6 +142,11 @@ class VllmEngine:
         self._configured_max_num_seqs = int(self._scheduler.max_num_running_reqs)
         self._max_num_seqs = int(self._scheduler.max_num_active_reqs)
         self._probe = SchedulerProbe()
+        self._timer = StepTimer()
+        self._timer.wrap(self._scheduler, "schedule", "schedule")
+        self._timer.wrap(self._scheduler, "update_from_output", "update")
+        self._timer.wrap(core.model_executor, "execute_model", "forward")
+        self._timer.wrap(core.model_executor, "sample_tokens", "forward")
         original_schedule = self._scheduler.schedule
         probe = self._probe
         scheduler = self._scheduler
@@ -159,6 +167,16 @@ class VllmEngine:
         self._reserve = OutputReserve(config.kv_reserve, num_buckets, self.block_size,
                                       self.max_model_len, quantile=config.kv_reserve_quantile)
         self._now = clock.now()
+        # wake-up bookkeeping (what calibration measures the wake penalty on): when the last
+        # iteration ended (monotonic), the idle time before the current busy period, and
+        # iterations since it started
+        self._last_step_mono = time.monotonic()
+        self._last_cpu = time.thread_time()
+        self._pending_idle_s: float | None = None
+        self._wake_idle_s = 0.0
+        self._since_wake = 0
+        # iteration sizes run so far, least recently run first (IterationRecord.shape_distance)
+        self._token_counts: OrderedDict[int, None] = OrderedDict()
         self._closed = False
         self.iterations: list[IterationRecord] | None = [] if record_iterations else None
         self._reset_interval()
@@ -238,8 +256,11 @@ class VllmEngine:
             max_tokens=request.max_output_tokens, min_tokens=request.max_output_tokens,
             ignore_eos=True, temperature=0.0, detokenize=False,
             output_kind=self._final_only)
-        prompt = self._tokens_prompt(prompt_token_ids=self.prompt_ids(request.request_id,
-                                                                      prompt_tokens))
+        prompt = self._tokens_prompt(prompt_token_ids=self.prompt_token_ids(request,
+                                                                            prompt_tokens))
+        if not self._by_ext and self._pending_idle_s is None:
+            # the engine held nothing since its last iteration: the next one wakes it
+            self._pending_idle_s = time.monotonic() - self._last_step_mono
         vllm_id = str(self._engine.add_request(ext_id, prompt, params))
         live = _Live(request, bucket, prompt_tokens, truncated, vllm_id)
         live.kv_limit = self._reserve.limit_tokens(request, prompt_tokens)
@@ -256,6 +277,7 @@ class VllmEngine:
         if self.clock.all_idle():
             self.clock.sleep_until(to_s)
         self._now = max(self._now, self.clock.now())
+        self._last_cpu = time.thread_time()
 
     def step(self, bound_s: float) -> None:
         """One ``LLMEngine.step()`` (one scheduler iteration); ``bound_s`` is not needed
@@ -263,6 +285,8 @@ class VllmEngine:
         clock = self.clock
         prev_end = self._now
         start = clock.now()
+        timer = self._timer
+        timer.clear()
         outputs = self._engine.step()
         probe = self._probe
         end_model = clock.now()
@@ -275,12 +299,26 @@ class VllmEngine:
             live = self._by_vllm.get(rid)
             if live is not None:
                 live.preemptions += 1
+        finished = 0
         for out in outputs:
             if out.finished:
+                finished += 1
                 self._finish(out, end_model)
         end = clock.now()
         self._now = end
+        self._last_step_mono = end + clock.origin
+        cpu = time.thread_time()
+        cpu_s = cpu - self._last_cpu
+        self._last_cpu = cpu
         if probe.scheduled:
+            if self._pending_idle_s is not None:
+                self._wake_idle_s = self._pending_idle_s
+                self._pending_idle_s = None
+                self._since_wake = 0
+            else:
+                self._since_wake += 1
+            size = probe.prefill_tokens + probe.num_decode
+            distance = _stack_distance(self._token_counts, size)
             self._iterations += 1
             self._busy_s += end - start
             self._prefill_tokens += probe.prefill_tokens
@@ -289,7 +327,9 @@ class VllmEngine:
             if self.iterations is not None:
                 self.iterations.append(IterationRecord(
                     prev_end, start, end, probe.prefill_tokens, probe.attn_work, probe.num_decode,
-                    probe.kv_decode, len(probe.preempted_ids)))
+                    probe.kv_decode, len(probe.preempted_ids), probe.prefill_seqs,
+                    probe.new_seqs, finished, self._wake_idle_s, self._since_wake, distance,
+                    timer.schedule_s, timer.forward_s, timer.update_s, cpu_s))
         probe.clear_step()
 
     def snapshot(self) -> EngineStats:
@@ -353,9 +393,27 @@ class VllmEngine:
         :param request_id: the workload's request id.
         :param prompt_tokens: prompt length.
         """
-        offset = (request_id * 7919) % self.max_model_len
-        ids: list[int] = self._prompt_pool[offset:offset + prompt_tokens].tolist()
-        return ids
+        return self._prompts.by_id(request_id, prompt_tokens)
+
+    def prompt_token_ids(self, request: Request, prompt_tokens: int) -> list[int]:
+        """The ``prompt_tokens`` token ids served for ``request`` (deterministic; with
+        ``prefix_ids``, shared blocks share their tokens:
+        :meth:`~rlbatch.engine.vllm.prompts.PromptTokens.for_request`).
+
+        :param request: the request.
+        :param prompt_tokens: tokens served (``<= request.prompt_tokens``).
+        """
+        return self._prompts.for_request(request, prompt_tokens)
+
+    def prefix_cache_totals(self) -> tuple[int, int]:
+        """vLLM's prefix cache since the engine started: ``(prompt tokens looked up, tokens
+        found cached)`` (first lookups; both 0 with prefix caching off)."""
+        return self._stats.prefix_queries, self._stats.prefix_hits
+
+    def token_counts(self) -> tuple[int, ...]:
+        """Iteration sizes (scheduled tokens) the engine has run, least recently run first:
+        whose matmul primitives it has built (:attr:`IterationRecord.shape_distance`)."""
+        return tuple(self._token_counts)
 
     def start_recording(self) -> None:
         """Keep an :class:`IterationRecord` per iteration from now on (drops older ones)."""
@@ -410,3 +468,18 @@ class VllmEngine:
             preemptions=live.preemptions,
             truncated=live.truncated,
         ))
+
+
+def _stack_distance(order: OrderedDict[int, None], size: int) -> int:
+    """Distinct sizes run since ``size`` was last run (0: it was the last one; -1: never),
+    and ``size`` becomes the most recent."""
+    if size not in order:
+        order[size] = None
+        return -1
+    distance = 0
+    for key in reversed(order):
+        if key == size:
+            break
+        distance += 1
+    order.move_to_end(size)
+    return distance

@@ -100,10 +100,7 @@ def start_vllm_engine(config: VllmEngineConfig, *, engine_id: int = 0, pool: str
         num_gpu_blocks_override=config.num_kv_blocks,
         block_size=config.block_size,
         enforce_eager=config.enforce_eager,
-        # Off whatever the simulator does: prompts are cut from one token pool at offsets
-        # by request id (VllmEngine.prompt_ids), so they carry none of a trace's prefix
-        # sharing (Mooncake hash_ids) and hits would be accidental.
-        enable_prefix_caching=False,
+        enable_prefix_caching=config.enable_prefix_caching,
         async_scheduling=False,
         disable_log_stats=False,
         seed=config.seed,
