@@ -176,19 +176,26 @@ class CacheScheduler:
             free -= need
             seq.blocks += need
             del loading[i]
-            seq.order = self._order
-            self._order += 1
-            running.append(seq)
-            self._in_running[seq.bucket] += 1
-            sched.append((seq, n))
-            if admitted is not None:
-                admitted.append(seq)
+            self._start(seq, n, sched, admitted)
             prefill_tokens += n
             attn_work += n * (seq.num_computed + (n + 1) / 2)
             budget -= n
-            if seq.uncached:
-                self._register(seq, seq.num_computed + n)
         return budget, free, prefill_tokens, attn_work, False
+
+    def _start(self, seq: SimSeq, n: int, sched: list[tuple[SimSeq, int]],
+               admitted: list[SimSeq] | None) -> None:
+        """``seq`` joins the running list with ``n`` tokens scheduled this iteration (once
+        per admission, from the waiting queue or the loading list); the blocks those tokens
+        fill get their hashes."""
+        seq.order = self._order
+        self._order += 1
+        self._running.append(seq)
+        self._in_running[seq.bucket] += 1
+        sched.append((seq, n))
+        if admitted is not None:
+            admitted.append(seq)
+        if seq.uncached:
+            self._register(seq, seq.num_computed + n)
 
     def _wait_for_loads(self, bound_s: float) -> None:
         """Nothing can run: the clock goes to the first copy's completion (or ``bound_s``,

@@ -246,18 +246,10 @@ class ExactScheduler(CacheScheduler):
             if n < 0:  # its prefix is copied from the host tier first
                 self._loading.append(seq)
                 continue
-            seq.order = self._order
-            self._order += 1
-            running.append(seq)
-            self._in_running[seq.bucket] += 1
-            sched.append((seq, n))
-            if admitted is not None:
-                admitted.append(seq)
+            self._start(seq, n, sched, admitted)
             prefill_tokens += n
             attn_work += n * (seq.num_computed + (n + 1) / 2)
             budget -= n
-            if seq.uncached:
-                self._register(seq, seq.num_computed + n)
         return budget, free, prefill_tokens, attn_work
 
     def _advance(self, prefill_tokens: int, attn_work: float, num_decode: int,
