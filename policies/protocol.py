@@ -136,6 +136,11 @@ where Mooncake's prompts are served whole (BENCHMARKS.md, issue 12, "Item 5"); a
 not listed uses its :data:`RATE_MULTIPLIERS` entry for Mooncake too."""
 
 
+def _deployment_key(gpu: str, model: str, pools: dict[str, int]) -> tuple[str, str, str]:
+    """The key of the multiplier tables: GPU, model and pools spelled as ``--pools``."""
+    return gpu, model, ",".join(f"{p}:{n}" for p, n in pools.items())
+
+
 def mooncake_multiplier_for(gpu: str, model: str, pools: dict[str, int]) -> float | None:
     """:data:`MOONCAKE_RATE_MULTIPLIERS` for a deployment (``None`` when not measured).
 
@@ -143,8 +148,7 @@ def mooncake_multiplier_for(gpu: str, model: str, pools: dict[str, int]) -> floa
     :param model: model profile name.
     :param pools: engines per pool.
     """
-    return MOONCAKE_RATE_MULTIPLIERS.get((gpu, model, ",".join(f"{p}:{n}"
-                                                                for p, n in pools.items())))
+    return MOONCAKE_RATE_MULTIPLIERS.get(_deployment_key(gpu, model, pools))
 
 
 def rate_multiplier_for(gpu: str, model: str, pools: dict[str, int]) -> float:
@@ -154,8 +158,7 @@ def rate_multiplier_for(gpu: str, model: str, pools: dict[str, int]) -> float:
     :param model: model profile name.
     :param pools: engines per pool.
     """
-    key = (gpu, model, ",".join(f"{p}:{n}" for p, n in pools.items()))
-    return RATE_MULTIPLIERS.get(key, 1.0)
+    return RATE_MULTIPLIERS.get(_deployment_key(gpu, model, pools), 1.0)
 
 
 def run_label(run: RunSet) -> str:

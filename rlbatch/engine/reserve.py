@@ -9,7 +9,7 @@ trace. ``observed`` (the default) counts what the engine's own recent completion
 * at admission a request reserves its prompt plus a high quantile of the outputs recently
   finished in its length bucket (``quantile``, over the last ``window`` completions), never
   more than its declared limit; until a bucket has ``min_samples`` completions the quantile
-  of all buckets' completions stands in, and until those are ``min_samples`` either a prior
+  of all buckets' completions stands in, and until those are ``min_samples`` a prior
   of ``prior_output_tokens`` (4,096) stands in. The prior matters on long-context models: a
   request sent without ``max_tokens`` may run to the end of a 128k context, and counting it
   there until 16 completions are seen held 97% of a cold start's admissions back on
