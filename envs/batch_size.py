@@ -61,7 +61,12 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     ``Box(0, 10, (8 B + 13,), float32)``; every feature is normalised and clipped to [0, 10].
     ``obs_version=2`` appends smoothed trends (``3 B + 4`` more: per bucket arrival and
     departure rates and queue growth; total running, total cap in force, arrivals /
-    departures, doomed rate; see :mod:`rlbatch.control.observation`).
+    departures, doomed rate; see :mod:`rlbatch.control.observation`). ``obs_version=3`` has
+    version 2's features with every rate (arrivals, departures, queue growth, doomed
+    requests), queue length and throughput stated relative to the deployment's reference
+    capacity (:mod:`rlbatch.profiles.capacity`) instead of absolute, plus two more: the
+    capacity (log1p(requests/s) / log1p(100)) and the reference requests one engine's KV pool
+    holds / 256.
 
     | index | feature | unit / normalisation |
     |---|---|---|
@@ -131,11 +136,13 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     * ``max_model_len``: longest prompt + output accepted (default: the model's).
     * ``action_kind``: ``per_bucket`` (caps per bucket) or ``total_share`` (a total cap and
       per-bucket shares; the guard's ladder is then the total ladder, up to 256).
-    * ``obs_version``: 1 (snapshot features) or 2 (plus trends).
+    * ``obs_version``: 1 (snapshot features), 2 (plus trends) or 3 (version 2 in units of
+      the deployment's capacity).
     * ``decision_ticks``: ticks one action is held for.
 
     ## Version history
-    * v0: initial version.
+    * v0: initial version; observation version 3 added without a new env version (the
+      default observation is unchanged).
     """
 
     metadata: dict[str, Any] = {"render_modes": []}  # noqa: RUF012 (gymnasium convention)

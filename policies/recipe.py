@@ -105,7 +105,7 @@ class RecipeConfig:
     dagger_rounds: int = 2
     dagger_episodes: int = 12
     decision_ticks: int = 5
-    obs_version: int = 2
+    obs_version: int = 3
     net_arch: tuple[int, ...] = (64, 64)
     epochs: int = 60
     learning_rate: float = 3e-3

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,7 +18,13 @@ from rlbatch.control.observation import (
     observation_size,
 )
 from rlbatch.control.types import SLA, DeploymentInfo, DeploymentStats
-from tests.factories import BUCKETS, deployment_stats, engine_stats, random_deployment_stats
+from tests.factories import (
+    BUCKETS,
+    deployment_stats,
+    engine_stats,
+    random_deployment_stats,
+    record,
+)
 
 INFO = DeploymentInfo(buckets=BUCKETS, pools={"fp16": 1, "fp8": 1}, gpu="g", model="m",
                       default_max_num_seqs=8, max_num_batched_tokens=256,
@@ -72,3 +79,62 @@ def test_single_features_mean_what_the_docs_say() -> None:
     nan_first = deployment_stats((engine_stats(kv=math.nan),))
     assert _feature(BUILDER.build(nan_first, (0.0,) * 5), "kv_cache_usage") == 1.0
     assert len(GLOBAL_FEATURES) == 13 and obs[G] == np.float32(0.25)
+
+
+def _info_v3(capacity_rps: float, blocks: int = 64) -> DeploymentInfo:
+    return DeploymentInfo(buckets=BUCKETS, pools={"fp16": 1}, gpu="g", model="m",
+                          default_max_num_seqs=8, max_num_batched_tokens=256,
+                          num_kv_blocks={"fp16": blocks}, block_size=16, max_model_len=512,
+                          tick_s=1.0, sla=SLA(), capacity_rps=capacity_rps)
+
+
+def _run_v3(capacity_rps: float, scale: int) -> np.ndarray:
+    """Three ticks of a deployment with capacity ``capacity_rps`` under ``scale`` x a base
+    load (arrivals, queues, completions, throughput all scaled)."""
+    builder = ObservationBuilder(_info_v3(capacity_rps), max_cap=64, version=3)
+    obs = builder.initial()
+    for t in range(3):
+        stats = deployment_stats(
+            (engine_stats(0, "fp16", running=(2, 1, 0), kv=0.5, prefill=40 * scale,
+                          decode=100 * scale,
+                          finished=tuple(record(100 * t + i, 0, ttft=0.1, tpot=0.01)
+                                         for i in range(scale))),),
+            queued=(3 * scale * (t + 1), scale, 0), arrived=(4 * scale, 2 * scale, scale))
+        obs = builder.build(stats, (0.0,) * 5)
+    return obs
+
+
+def test_v3_states_load_relative_to_capacity() -> None:
+    names = feature_names(BUCKETS.names, 3)
+    base, doubled = _run_v3(2.0, 1), _run_v3(4.0, 2)
+    assert base.shape == (observation_size(len(BUCKETS), 3),) == (len(names),)
+    relative = [i for i, n in enumerate(names) if n.split("/")[-1] in (
+        "queue_len", "arrival_rate", "arrival_rate_ema", "departure_rate_ema", "queue_growth",
+        "throughput", "doomed_rate", "load_ratio")]
+    assert len(relative) == 5 * len(BUCKETS) + 3
+    # Twice the capacity under twice the load reads the same...
+    np.testing.assert_allclose(base[relative], doubled[relative], rtol=1e-6)
+    # ...and the load is visible: an arrival rate of 4/s on a capacity of 2/s reads 2.
+    assert base[names.index(f"{BUCKETS.names[0]}/arrival_rate")] == np.float32(2.0)
+    # Absolute features differ: version 2 reads the doubled load as more load.
+    v2 = [ObservationBuilder(_info_v3(c), max_cap=64, version=2) for c in (2.0, 4.0)]
+    assert _feature_v(v2[0], 1) != _feature_v(v2[1], 2)
+
+
+def _feature_v(builder: ObservationBuilder, scale: int) -> float:
+    stats = deployment_stats((engine_stats(0, "fp16"),), arrived=(4 * scale, 0, 0))
+    return float(builder.build(stats, (0.0,) * 5)[1])
+
+
+def test_v3_capacity_features_and_initial() -> None:
+    names = feature_names(BUCKETS.names, 3)
+    obs = ObservationBuilder(_info_v3(9.0, blocks=160), max_cap=64, version=3).initial()
+    assert obs[names.index("capacity")] == np.float32(math.log1p(9.0) / math.log1p(100.0))
+    assert obs[names.index("kv_reference_seqs")] == np.float32(160 * 16 / 1280 / 256)
+    assert obs[names.index("total_cap")] == np.float32(8 / 256)
+
+
+def test_v3_needs_the_capacity() -> None:
+    with pytest.raises(ValueError, match="capacity"):
+        ObservationBuilder(_info_v3(0.0), max_cap=64, version=3)
+    ObservationBuilder(_info_v3(0.0), max_cap=64, version=2)  # earlier versions do not

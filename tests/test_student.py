@@ -105,7 +105,7 @@ def test_behaviour_cloning_fits_a_consistent_teacher(tmp_path: Path) -> None:
 def test_student_artifact_serves_like_the_network(tmp_path: Path) -> None:
     cfg = _tiny_cfg(tmp_path)
     one_pool = TotalShareCodec(TOTAL_LADDER, SHARE_LADDER, ("fp16",), 4)
-    policy = build_student(cfg, one_pool, observation_size(4, 2))
+    policy = build_student(cfg, one_pool, observation_size(4, cfg.obs_version))
     meta = export_student(policy, cfg, one_pool, tmp_path / "student")
     artifact = load_artifact(meta)
     assert artifact.metadata["action_kind"] == "total_share"

@@ -69,6 +69,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                     help="the upstreams' --max-num-batched-tokens")
     add_gpu_model_options(up, gpu=d.gpu, model=d.model)
+    up.add_argument("--capacity-rps", type=float, default=None,
+                    help="requests/s of 1,024-token prompts with 256-token outputs all "
+                         "upstreams together serve (a policy with observation version 3 "
+                         "reads load in this unit; default: estimated from --gpu and --model "
+                         "when both name profiles)")
     up.add_argument("--scrape-timeout-s", type=float, default=d.scrape_timeout_s)
     up.add_argument("--connect-timeout-s", type=float, default=d.connect_timeout_s)
     up.add_argument("--request-timeout-s", type=float, default=None,
@@ -155,7 +160,8 @@ def settings_from_args(args: argparse.Namespace) -> SidecarSettings:
         shadow=args.shadow,
         shadow_pool=args.shadow_pool, logdir=args.logdir, cold_start=args.cold_start,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        gpu=args.gpu, model=args.model, scrape_timeout_s=args.scrape_timeout_s,
+        gpu=args.gpu, model=args.model, capacity_rps=args.capacity_rps,
+        scrape_timeout_s=args.scrape_timeout_s,
         connect_timeout_s=args.connect_timeout_s, request_timeout_s=args.request_timeout_s,
         admin_token=args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None,
         gpu_telemetry=args.gpu_telemetry, **production_settings(args))

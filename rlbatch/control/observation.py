@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rlbatch.control.types import DeploymentInfo, DeploymentStats
+from rlbatch.profiles.capacity import REFERENCE_OUTPUT_TOKENS, REFERENCE_PROMPT_TOKENS
 
 CLIP = 10.0
 
@@ -54,9 +55,16 @@ TREND_GLOBAL_FEATURES: tuple[str, ...] = (
     "load_ratio",        # log1p(smoothed arrivals / smoothed departures)
     "doomed_rate",       # log1p(smoothed requests past their TTFT deadline per s)
 )
-OBS_VERSIONS: tuple[int, ...] = (1, 2)
+CAPACITY_GLOBAL_FEATURES: tuple[str, ...] = (
+    "capacity",          # log1p(reference capacity, requests per s) / log1p(100)
+    "kv_reference_seqs",  # reference requests one engine's KV pool holds / TOTAL_NORM
+)
+OBS_VERSIONS: tuple[int, ...] = (1, 2, 3)
 """1: the snapshot features; 2: plus trends (smoothed rates, queue growth, totals), which
-need state across ticks."""
+need state across ticks; 3: version 2's features with every rate, queue and throughput in
+units of the deployment's reference capacity (:mod:`rlbatch.profiles.capacity`) instead of
+absolute, plus the capacity itself, so that one policy reads load the same way on every
+GPU and model."""
 TOTAL_NORM = 256.0
 TREND_TAU_S = 30.0
 """Time constant of the smoothed rates: about the latency window."""
@@ -66,6 +74,8 @@ def observation_size(num_buckets: int, version: int = 1) -> int:
     size = num_buckets * len(PER_BUCKET_FEATURES) + len(GLOBAL_FEATURES)
     if version >= 2:
         size += num_buckets * len(TREND_PER_BUCKET_FEATURES) + len(TREND_GLOBAL_FEATURES)
+    if version >= 3:
+        size += len(CAPACITY_GLOBAL_FEATURES)
     return size
 
 
@@ -76,6 +86,8 @@ def feature_names(bucket_names: tuple[str, ...], version: int = 1) -> list[str]:
     if version >= 2:
         names += [f"{b}/{f}" for b in bucket_names for f in TREND_PER_BUCKET_FEATURES]
         names += list(TREND_GLOBAL_FEATURES)
+    if version >= 3:
+        names += list(CAPACITY_GLOBAL_FEATURES)
     return names
 
 
@@ -88,6 +100,7 @@ class ObservationBuilder:
     :param warmup_s: warm-up length (normaliser for the progress feature).
     :param version: feature set (:data:`OBS_VERSIONS`); version 2 keeps smoothed rates, so
         one builder serves one run: call :meth:`reset` at its start.
+    :raises ValueError: an unknown version, or version 3 without the deployment's capacity.
     """
 
     info: DeploymentInfo
@@ -101,6 +114,12 @@ class ObservationBuilder:
         if self.version not in OBS_VERSIONS:
             raise ValueError(f"observation version must be one of {OBS_VERSIONS}, got "
                              f"{self.version}")
+        if self.version >= 3 and not self.info.capacity_rps > 0:
+            raise ValueError(
+                "observation version 3 states load in units of the deployment's reference "
+                "capacity, which is unknown here (DeploymentInfo.capacity_rps = 0): give a "
+                "calibrated profile (live engines) or --capacity-rps / profile names for "
+                "--gpu and --model (sidecar)")
         self.reset()
 
     @property
@@ -122,9 +141,27 @@ class ObservationBuilder:
         obs[g + GLOBAL_FEATURES.index("sla_attainment")] = 1.0
         if self.version >= 2:
             total = self.info.default_max_num_seqs
-            obs[-len(TREND_GLOBAL_FEATURES) + TREND_GLOBAL_FEATURES.index("total_cap")] = (
-                min(total / TOTAL_NORM, CLIP))
+            t0 = g + len(GLOBAL_FEATURES) + len(self.info.buckets) * len(
+                TREND_PER_BUCKET_FEATURES)
+            obs[t0 + TREND_GLOBAL_FEATURES.index("total_cap")] = min(total / TOTAL_NORM, CLIP)
+        if self.version >= 3:
+            obs[-len(CAPACITY_GLOBAL_FEATURES):] = self._capacity_features()
         return obs
+
+    def _capacity_features(self) -> list[float]:
+        info = self.info
+        kv_tokens = max(info.num_kv_blocks.values(), default=0) * info.block_size
+        seqs = kv_tokens / (REFERENCE_PROMPT_TOKENS + REFERENCE_OUTPUT_TOKENS)
+        return [min(math.log1p(info.capacity_rps) / math.log1p(100.0), CLIP),
+                min(seqs / TOTAL_NORM, CLIP)]
+
+    def _rate(self, per_s: float) -> float:
+        """A rate as a feature: absolute (log-scaled) before version 3, else a fraction of the
+        deployment's capacity."""
+        per_s = max(per_s, 0.0)
+        if self.version >= 3:
+            return per_s / self.info.capacity_rps
+        return math.log1p(per_s) / math.log1p(100.0)
 
     def build(self, stats: DeploymentStats, guard_flags: tuple[float, ...]) -> np.ndarray:
         info = self.info
@@ -134,14 +171,16 @@ class ObservationBuilder:
         pools = info.pool_names
         running = stats.in_engines_per_bucket
         out: list[float] = []
-        log_q = math.log1p(1000.0)
-        log_r = math.log1p(100.0)
         w = stats.window
+        relative = self.version >= 3
+        # Version 3: a queue as the SLA TTFTs the deployment needs to serve it.
+        queue_unit = info.capacity_rps * sla.ttft_s if relative else 1.0
+        log_q = math.log1p(100.0) if relative else math.log1p(1000.0)
         for b in range(n_b):
             cap = stats.action.caps[b]
             pool = stats.action.pools[b]
-            out.append(math.log1p(max(stats.queued[b], 0)) / log_q)
-            out.append(math.log1p(max(stats.arrived[b], 0) / tick) / log_r)
+            out.append(math.log1p(max(stats.queued[b], 0) / queue_unit) / log_q)
+            out.append(self._rate(stats.arrived[b] / tick))
             out.append(running[b] / self.max_cap)
             out.append((self.max_cap if cap is None else cap) / self.max_cap)
             out.append(route_feature(pools, pool))
@@ -157,7 +196,8 @@ class ObservationBuilder:
             stats.kv_committed_max,
             stats.gpu_memory_used_max,
             math.log1p(max(preempt, 0.0)),
-            math.log1p(max(decode, 0.0)) / math.log1p(10000.0),
+            (max(decode, 0.0) / (info.capacity_rps * REFERENCE_OUTPUT_TOKENS) if relative
+             else math.log1p(max(decode, 0.0)) / math.log1p(10000.0)),
             1.0 if math.isnan(efficiency) else efficiency,  # nothing computed: nothing wasted
             sum(w.sla_met) / completed if completed else 1.0,
             min(stats.time_s / self.warmup_s, 1.0) if self.warmup_s > 0 else 1.0,
@@ -165,6 +205,8 @@ class ObservationBuilder:
         ])
         if self.version >= 2:
             out.extend(self._trends(stats, tick))
+        if self.version >= 3:
+            out.extend(self._capacity_features())
         raw = np.array(out, dtype=np.float64)
         # Memory readings that are not numbers must not look like an empty cache.
         g = n_b * len(PER_BUCKET_FEATURES)
@@ -181,7 +223,8 @@ class ObservationBuilder:
         for rec in stats.finished:
             finished[rec.bucket] += 1
         doomed = sum(stats.doomed)
-        log_r = math.log1p(100.0)
+        # Version 3: queue growth in units of capacity (5 per s is about the reference A100's).
+        growth_unit = self.info.capacity_rps if self.version >= 3 else 5.0
         per_bucket: list[float] = []
         for b in range(n_b):
             arrivals = max(stats.arrived[b], 0) / tick
@@ -191,15 +234,16 @@ class ObservationBuilder:
             tr["departures"][b] += alpha * (departures - tr["departures"][b])
             tr["growth"][b] += alpha * (growth - tr["growth"][b])
             tr["queued"][b] = float(stats.queued[b])
-            per_bucket += [math.log1p(tr["arrivals"][b]) / log_r,
-                           math.log1p(tr["departures"][b]) / log_r,
-                           0.5 + 0.5 * math.tanh(tr["growth"][b] / 5.0)]
+            per_bucket += [self._rate(tr["arrivals"][b]), self._rate(tr["departures"][b]),
+                           0.5 + 0.5 * math.tanh(tr["growth"][b] / growth_unit)]
         tr["doomed"][0] += alpha * (doomed / tick - tr["doomed"][0])
         total = stats.action.max_num_seqs or self.info.default_max_num_seqs
         arr, dep = sum(tr["arrivals"]), sum(tr["departures"])
         ratio = arr / dep if dep > 1e-6 else (CLIP if arr > 1e-6 else 1.0)
         return [*per_bucket, stats.running_total / TOTAL_NORM, total / TOTAL_NORM,
-                math.log1p(ratio), math.log1p(max(tr["doomed"][0], 0.0))]
+                math.log1p(ratio),
+                (self._rate(tr["doomed"][0]) if self.version >= 3
+                 else math.log1p(max(tr["doomed"][0], 0.0)))]
 
 
 def route_feature(pools: tuple[str, ...], route: str) -> float:

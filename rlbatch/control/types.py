@@ -102,6 +102,9 @@ class DeploymentInfo:
     :param cold_start: the engines have just started (cold caches, graphs still compiling):
         the guard's warm-up ramp applies. Simulated engines are warm from t=0 and a trace
         slice starts mid-service, so simulated runs say ``False`` unless asked otherwise.
+    :param capacity_rps: reference requests per second the whole deployment serves
+        (:func:`rlbatch.profiles.capacity.reference_capacity_rps` summed over engines; 0:
+        unknown). Observation version 3 states rates in this unit and needs it.
     """
 
     buckets: Buckets
@@ -116,6 +119,7 @@ class DeploymentInfo:
     tick_s: float
     sla: SLA
     cold_start: bool = False
+    capacity_rps: float = 0.0
 
     @property
     def pool_names(self) -> tuple[str, ...]:

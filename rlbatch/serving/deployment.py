@@ -265,7 +265,8 @@ def describe_deployment(*, pools: dict[str, int], num_kv_blocks: dict[str, int],
                         buckets: Buckets, gpu: str, model: str, max_model_len: int,
                         block_size: int, default_max_num_seqs: int,
                         max_num_batched_tokens: int, tick_s: float = 1.0,
-                        sla: SLA | None = None, cold_start: bool = False) -> DeploymentInfo:
+                        sla: SLA | None = None, cold_start: bool = False,
+                        capacity_rps: float = 0.0) -> DeploymentInfo:
     """What controllers are told about a deployment: the one place a DeploymentInfo is made
     (:func:`assemble_deployment` for engines in this process, the sidecar for upstream
     servers, whose pools and KV sizes it learns from their metrics).
@@ -282,13 +283,17 @@ def describe_deployment(*, pools: dict[str, int], num_kv_blocks: dict[str, int],
     :param tick_s: control interval.
     :param sla: the SLA (default: DESIGN.md's).
     :param cold_start: the engines have just started (the guard's warm-up applies).
+    :param capacity_rps: reference requests per second of the whole deployment (0: unknown).
+    :raises ValueError: a negative or non-finite ``capacity_rps``.
     """
+    if not math.isfinite(capacity_rps) or capacity_rps < 0:
+        raise ValueError(f"capacity_rps must be finite and >= 0, got {capacity_rps}")
     return DeploymentInfo(
         buckets=buckets, pools=pools, gpu=gpu, model=model,
         default_max_num_seqs=default_max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, num_kv_blocks=num_kv_blocks,
         block_size=block_size, max_model_len=max_model_len, tick_s=tick_s,
-        sla=sla or SLA(), cold_start=cold_start)
+        sla=sla or SLA(), cold_start=cold_start, capacity_rps=capacity_rps)
 
 
 def assemble_deployment(
@@ -305,6 +310,7 @@ def assemble_deployment(
     tick_s: float = 1.0,
     sla: SLA | None = None,
     cold_start: bool = False,
+    capacity_rps: float = 0.0,
 ) -> Deployment:
     """Put engines (simulated, calibrated or live) behind one admission layer; the pools and
     their KV block counts are read off the engines, in engine order.
@@ -321,6 +327,7 @@ def assemble_deployment(
     :param tick_s: control interval.
     :param sla: the SLA (default: DESIGN.md's).
     :param cold_start: the engines have just started (the guard's warm-up applies).
+    :param capacity_rps: reference requests per second of the whole deployment (0: unknown).
     """
     pools: dict[str, int] = {}
     for eng in engines:
@@ -331,5 +338,5 @@ def assemble_deployment(
         max_num_batched_tokens=max_num_batched_tokens,
         num_kv_blocks={e.pool: e.kv_capacity_tokens // block_size for e in engines},
         block_size=block_size, max_model_len=max_model_len, tick_s=tick_s,
-        sla=sla, cold_start=cold_start)
+        sla=sla, cold_start=cold_start, capacity_rps=capacity_rps)
     return Deployment(engines, Admission(list(engines), buckets, max_model_len, admission), info)

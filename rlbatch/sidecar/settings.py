@@ -106,6 +106,10 @@ class SidecarSettings:
     :param max_num_batched_tokens: the upstreams' ``--max-num-batched-tokens``.
     :param gpu: GPU profile name reported to the controller (information only).
     :param model: model profile name reported to the controller (information only).
+    :param capacity_rps: reference requests per second all upstreams together serve
+        (:mod:`rlbatch.profiles.capacity`); ``None``: estimated from ``gpu`` and ``model``
+        when both name profiles, else unknown (a policy with observation version 3 then
+        refuses to start).
     :param scrape_timeout_s: time limit of one ``/metrics`` scrape.
     :param connect_timeout_s: time limit to connect to an upstream.
     :param first_byte_timeout_s: longest wait, after a request was sent upstream, for the
@@ -170,6 +174,7 @@ class SidecarSettings:
     max_num_batched_tokens: int = 8192
     gpu: str = "unknown"
     model: str = "unknown"
+    capacity_rps: float | None = None
     scrape_timeout_s: float = 2.0
     connect_timeout_s: float = 5.0
     first_byte_timeout_s: float = 600.0
@@ -211,6 +216,9 @@ class SidecarSettings:
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        if self.capacity_rps is not None and not 0 < self.capacity_rps < float("inf"):
+            raise ValueError(f"capacity_rps must be > 0 and finite or None, got "
+                             f"{self.capacity_rps}")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0 or None, got "
                              f"{self.request_timeout_s}")

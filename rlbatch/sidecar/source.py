@@ -37,12 +37,31 @@ def describe_upstreams(settings: SidecarSettings, by_pool: dict[str, list[HttpUp
         known = [u.metrics for u in ups if u.metrics is not None]
         blocks[pool] = next((m.num_gpu_blocks for m in known if m.num_gpu_blocks), 0)
         block_size = next((m.block_size for m in known if m.block_size), block_size)
+    capacity = settings.capacity_rps
+    if capacity is None:
+        capacity = _profile_capacity(settings, blocks, block_size)
     return describe_deployment(
         pools=settings.pool_sizes, num_kv_blocks=blocks, buckets=settings.buckets,
         gpu=settings.gpu, model=settings.model, max_model_len=max_model_len,
         block_size=block_size, default_max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens, tick_s=settings.tick_s,
-        sla=settings.sla, cold_start=settings.cold_start)
+        sla=settings.sla, cold_start=settings.cold_start, capacity_rps=capacity)
+
+
+def _profile_capacity(settings: SidecarSettings, blocks: dict[str, int],
+                      block_size: int) -> float:
+    """The upstreams' reference capacity from ``--gpu`` / ``--model`` profiles (and their
+    KV sizes once reported); 0 when either is not a profile."""
+    from rlbatch.profiles.capacity import profile_capacity_rps
+
+    try:
+        return profile_capacity_rps(
+            settings.gpu, settings.model, settings.pool_sizes,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            num_kv_blocks=blocks, block_size=block_size)
+    except ValueError:  # ProfileError included: not a profile name, or does not fit
+        return 0.0
 
 
 class UpstreamSource:
