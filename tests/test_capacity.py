@@ -8,8 +8,8 @@ from policies.protocol import RATE_MULTIPLIERS
 from rlbatch.buckets import Buckets
 from rlbatch.profiles import RooflineStepTimeModel, load_gpu, load_model
 from rlbatch.profiles.capacity import profile_capacity_rps, reference_capacity_rps
-from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.serving.builders import build_sim_deployment
+from rlbatch.serving.deployment import DeploymentSpec
 
 
 def _capacity(gpu: str, model: str, pools: str = "fp16:1") -> float:
