@@ -171,6 +171,24 @@ def test_settings_validation() -> None:
     assert two.pools == ("fp16", "fp8")  # canonical order, whatever the command line order
 
 
+def test_capacity_from_settings_or_profiles() -> None:
+    from rlbatch.profiles.capacity import profile_capacity_rps
+    from rlbatch.sidecar.source import describe_upstreams
+
+    up = (UpstreamSpec("fp16", "http://127.0.0.1:1"), UpstreamSpec("fp16", "http://127.0.0.1:2"))
+    with pytest.raises(ValueError, match="capacity_rps"):
+        SidecarSettings(upstreams=up, capacity_rps=0.0)
+    given = SidecarSettings(upstreams=up, capacity_rps=7.5, gpu="a100-80g", model="llama-2-7b")
+    assert describe_upstreams(given, {"fp16": []}, 4096).capacity_rps == 7.5
+    named = SidecarSettings(upstreams=up, gpu="h100-80g", model="llama-3.1-8b")
+    expected = profile_capacity_rps("h100-80g", "llama-3.1-8b", {"fp16": 2}, max_num_seqs=256,
+                                    max_num_batched_tokens=8192)
+    assert describe_upstreams(named, {"fp16": []}, 4096).capacity_rps == pytest.approx(expected)
+    assert expected > 0
+    unknown = SidecarSettings(upstreams=up)  # gpu and model "unknown": not profiles
+    assert describe_upstreams(unknown, {"fp16": []}, 4096).capacity_rps == 0.0
+
+
 def test_cli_builds_settings() -> None:
     import argparse
 
@@ -179,8 +197,9 @@ def test_cli_builds_settings() -> None:
     args = parser.parse_args(["--upstream", "fp16=http://127.0.0.1:8000", "--upstream",
                               "fp8=http://127.0.0.1:8001", "--policy", "p", "--shadow",
                               "--buckets", "128,256", "--max-queue-len", "8",
-                              "--max-model-len", "512"])
+                              "--max-model-len", "512", "--capacity-rps", "3.5"])
     s = settings_from_args(args)
+    assert s.capacity_rps == 3.5
     assert s.pools == ("fp16", "fp8") and s.shadow and s.max_queue_len == 8
     assert s.buckets.edges == (128, 256) and s.host == "127.0.0.1"
     assert s.max_model_len == 512 and s.cold_start and s.over_length is None
