@@ -53,14 +53,14 @@ BUCKETS = Buckets(EDGES)
 # --------------------------------------------------------------------------- helpers
 def fixed_policy(path: Path, caps: Sequence[int], pools: Sequence[str],
                  pool_names: Sequence[str] = ("fp16", "fp8"),
-                 edges: Sequence[int] = EDGES) -> Path:
+                 edges: Sequence[int] = EDGES, obs_version: int = 1) -> Path:
     """A valid PPO artifact whose deterministic action is always ``caps`` / ``pools``
     (zero weights, one-hot head bias): a policy with a known answer."""
     n = len(edges) + 1
     ladder = list(DEFAULT_LADDER)
     codec = ActionCodec(ladder, list(pool_names), n)
     nvec, routes = codec.nvec, list(codec.routes)
-    obs = observation_size(n)
+    obs = observation_size(n, obs_version)
     width = 8
     bias = np.zeros(sum(nvec), dtype=np.float32)
     offset = 0
@@ -72,7 +72,7 @@ def fixed_policy(path: Path, caps: Sequence[int], pools: Sequence[str],
     hidden = [(np.zeros((width, obs), np.float32), np.zeros(width, np.float32))]
     head = (np.zeros((sum(nvec), width), np.float32), bias)
     meta = {"nvec": nvec, "obs_size": obs, "ladder": ladder, "pools": list(pool_names),
-            "bucket_edges": list(edges), "activation": "tanh"}
+            "bucket_edges": list(edges), "activation": "tanh", "obs_version": obs_version}
     save_artifact(path, hidden, head, meta)
     return path
 
@@ -311,6 +311,13 @@ def test_corrupt_or_missing_policy_refuses_to_start(tmp_path: Path) -> None:
     with pytest.raises(ArtifactError, match="bucket edges"):
         create_app(make_settings(("fp16", "http://127.0.0.1:9"), ("fp8", "http://127.0.0.1:8"),
                                  buckets=Buckets()), ppo_factory(str(good)))
+    # A policy that reads load relative to capacity needs the capacity: refused without it.
+    relative = fixed_policy(tmp_path / "pol3", [4, 4, 4, 4], ["fp16"] * 4,
+                            pool_names=("fp16",), obs_version=3)
+    with pytest.raises(ValueError, match="capacity"):
+        create_app(make_settings(("fp16", "http://127.0.0.1:9")), ppo_factory(str(relative)))
+    create_app(make_settings(("fp16", "http://127.0.0.1:9"), capacity_rps=5.0),
+               ppo_factory(str(relative)))
 
 
 # --------------------------------------------------------------------------- faults
