@@ -109,6 +109,8 @@ class ObservationBuilder:
     version: int = 1
     _trend: dict[str, list[float]] = field(default_factory=dict, init=False, repr=False,
                                            compare=False)
+    _capacity: list[float] = field(default_factory=list, init=False, repr=False,
+                                   compare=False)
 
     def __post_init__(self) -> None:
         if self.version not in OBS_VERSIONS:
@@ -120,6 +122,12 @@ class ObservationBuilder:
                 "capacity, which is unknown here (DeploymentInfo.capacity_rps = 0): give a "
                 "calibrated profile (live engines) or --capacity-rps / profile names for "
                 "--gpu and --model (sidecar)")
+        if self.version >= 3:  # constant for the deployment: computed once
+            kv_tokens = max(self.info.num_kv_blocks.values(), default=0) * self.info.block_size
+            seqs = kv_tokens / (REFERENCE_PROMPT_TOKENS + REFERENCE_OUTPUT_TOKENS)
+            self._capacity = [
+                min(math.log1p(self.info.capacity_rps) / math.log1p(100.0), CLIP),
+                min(seqs / TOTAL_NORM, CLIP)]
         self.reset()
 
     @property
@@ -145,15 +153,8 @@ class ObservationBuilder:
                 TREND_PER_BUCKET_FEATURES)
             obs[t0 + TREND_GLOBAL_FEATURES.index("total_cap")] = min(total / TOTAL_NORM, CLIP)
         if self.version >= 3:
-            obs[-len(CAPACITY_GLOBAL_FEATURES):] = self._capacity_features()
+            obs[-len(CAPACITY_GLOBAL_FEATURES):] = self._capacity
         return obs
-
-    def _capacity_features(self) -> list[float]:
-        info = self.info
-        kv_tokens = max(info.num_kv_blocks.values(), default=0) * info.block_size
-        seqs = kv_tokens / (REFERENCE_PROMPT_TOKENS + REFERENCE_OUTPUT_TOKENS)
-        return [min(math.log1p(info.capacity_rps) / math.log1p(100.0), CLIP),
-                min(seqs / TOTAL_NORM, CLIP)]
 
     def _rate(self, per_s: float) -> float:
         """A rate as a feature: absolute (log-scaled) before version 3, else a fraction of the
@@ -206,7 +207,7 @@ class ObservationBuilder:
         if self.version >= 2:
             out.extend(self._trends(stats, tick))
         if self.version >= 3:
-            out.extend(self._capacity_features())
+            out.extend(self._capacity)
         raw = np.array(out, dtype=np.float64)
         # Memory readings that are not numbers must not look like an empty cache.
         g = n_b * len(PER_BUCKET_FEATURES)

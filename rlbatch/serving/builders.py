@@ -26,9 +26,8 @@ from rlbatch.engine.host_tier import host_link_of
 from rlbatch.engine.reserve import KvReserveMode
 from rlbatch.engine.sim import SimEngine
 from rlbatch.engine.vllm.config import TINY_KV_CACHE_BYTES, TINY_MODEL, VllmEngineConfig
-from rlbatch.profiles import RooflineStepTimeModel, load_gpu, load_model
+from rlbatch.profiles import RooflineStepTimeModel, StepTimeModel, load_gpu, load_model
 from rlbatch.profiles.calibrated import CalibratedProfile, load_profile
-from rlbatch.profiles.capacity import reference_capacity_rps
 from rlbatch.serving.deployment import Deployment, DeploymentSpec, assemble_deployment
 
 if TYPE_CHECKING:
@@ -84,7 +83,7 @@ def build_sim_deployment(spec: DeploymentSpec) -> Deployment:
         raise ValueError(f"max_model_len {max_model_len} exceeds {model.name}'s context "
                          f"{model.max_model_len}")
     engines: list[Engine] = []
-    capacity_rps = 0.0
+    step_models: dict[str, StepTimeModel] = {}
     for pool, count in spec.pools.items():
         precision = _precision(pool)
         config = EngineConfig(
@@ -105,8 +104,7 @@ def build_sim_deployment(spec: DeploymentSpec) -> Deployment:
         blocks = config.num_kv_blocks_override or step_model.kv_capacity_blocks(
             spec.gpu_memory_utilization, config.block_size)
         link = host_link_of(step_model, config.block_size) if spec.kv_offload_gib else None
-        capacity_rps += count * reference_capacity_rps(
-            step_model, blocks * config.block_size, max_num_seqs)
+        step_models[pool] = step_model
         for _ in range(count):
             engines.append(SimEngine(
                 engine_id=len(engines), pool=pool, config=config, step_model=step_model,
@@ -117,8 +115,7 @@ def build_sim_deployment(spec: DeploymentSpec) -> Deployment:
         engines, buckets=spec.buckets, admission=spec.admission, gpu=gpu.name,
         model=model.name, max_model_len=max_model_len, block_size=EngineConfig.block_size,
         default_max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
-        tick_s=spec.tick_s, sla=spec.sla, cold_start=spec.cold_start,
-        capacity_rps=capacity_rps)
+        tick_s=spec.tick_s, sla=spec.sla, cold_start=spec.cold_start, step_models=step_models)
 
 
 # --------------------------------------------------------------------------- calibrated
@@ -211,14 +208,13 @@ def build_profile_deployment(spec: DeploymentSpec,
                 enable_prefix_caching=spec.enable_prefix_caching)
             engines.append(eng)
     first = engines[0]
-    capacity_rps = sum(reference_capacity_rps(e.step_model, e.kv_capacity_tokens,
-                                              e.config.max_num_seqs) for e in engines)
     return assemble_deployment(
         engines, buckets=spec.buckets, admission=spec.admission, gpu=profile.device,
         model=profile.model, max_model_len=max_model_len, block_size=profile.block_size,
         default_max_num_seqs=first.config.max_num_seqs,
         max_num_batched_tokens=first.config.max_num_batched_tokens, tick_s=spec.tick_s,
-        sla=spec.sla, cold_start=spec.cold_start, capacity_rps=capacity_rps)
+        sla=spec.sla, cold_start=spec.cold_start,
+        step_models={pool: profile.step_time_model(pool) for pool in spec.pools})
 
 
 # --------------------------------------------------------------------------- live
@@ -295,16 +291,14 @@ def build_live_deployment(spec: DeploymentSpec, config: VllmEngineConfig | None 
     max_model_len = min(e.max_model_len for e in started)
     reading = first.telemetry.read()
     device = reading.devices[0].name if reading.devices else "cpu"
-    capacity_rps = 0.0
+    step_models: dict[str, StepTimeModel] | None = None
     if spec.profile is not None:
         # A live engine has no step-time model of its own; its calibrated profile is one.
         profile = load_profile(spec.profile)
-        capacity_rps = sum(reference_capacity_rps(
-            profile.step_time_model(e.pool), e.kv_capacity_tokens, e.configured_max_num_seqs)
-            for e in started)
+        step_models = {pool: profile.step_time_model(pool) for pool in pools}
     return assemble_deployment(
         started, buckets=spec.buckets, admission=spec.admission, gpu=device,
         model=config.model, max_model_len=max_model_len, block_size=first.block_size,
         default_max_num_seqs=first.configured_max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, tick_s=spec.tick_s,
-        sla=spec.sla, cold_start=spec.cold_start, capacity_rps=capacity_rps)
+        sla=spec.sla, cold_start=spec.cold_start, step_models=step_models)

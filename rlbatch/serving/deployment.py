@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from rlbatch.buckets import Buckets
@@ -15,6 +15,8 @@ from rlbatch.engine.config import PRECISIONS, check_kv_offload
 from rlbatch.engine.fork import fork_state
 from rlbatch.engine.reserve import KvReserveMode, check_kv_reserve
 from rlbatch.engine.stats import EngineStats
+from rlbatch.profiles.capacity import reference_capacity_rps
+from rlbatch.profiles.step_time import StepTimeModel
 from rlbatch.request import Request
 from rlbatch.serving.admission import Admission, AdmissionConfig
 
@@ -310,7 +312,7 @@ def assemble_deployment(
     tick_s: float = 1.0,
     sla: SLA | None = None,
     cold_start: bool = False,
-    capacity_rps: float = 0.0,
+    step_models: Mapping[str, StepTimeModel] | None = None,
 ) -> Deployment:
     """Put engines (simulated, calibrated or live) behind one admission layer; the pools and
     their KV block counts are read off the engines, in engine order.
@@ -327,11 +329,16 @@ def assemble_deployment(
     :param tick_s: control interval.
     :param sla: the SLA (default: DESIGN.md's).
     :param cold_start: the engines have just started (the guard's warm-up applies).
-    :param capacity_rps: reference requests per second of the whole deployment (0: unknown).
+    :param step_models: the step-time model of each pool's engines, for the deployment's
+        reference capacity (:mod:`rlbatch.profiles.capacity`, summed over engines); ``None``:
+        the capacity is unknown (0).
     """
     pools: dict[str, int] = {}
     for eng in engines:
         pools[eng.pool] = pools.get(eng.pool, 0) + 1
+    capacity_rps = 0.0 if step_models is None else sum(
+        reference_capacity_rps(step_models[e.pool], e.kv_capacity_tokens, default_max_num_seqs)
+        for e in engines)
     info = describe_deployment(
         buckets=buckets, pools=pools, gpu=gpu, model=model,
         default_max_num_seqs=default_max_num_seqs,
