@@ -244,8 +244,10 @@ def fixed_factory(arg: str) -> FixedController:
     Each ``OPTION`` changes the guard: ``no<rule>`` switches a rule off (``nowarmup``,
     ``nokv_high``, ``nop99``, ``noefficiency``, ``nokv_budget``), ``unguarded`` switches them
     all off (sanitising stays), ``proportional`` / ``halve`` / ``no_batching`` choose the
-    P99 fallback, ``kv_budget=F`` sets the committed-KV budget's fraction of the pool.
-    Examples: ``fixed:64``, ``fixed:64/64/64/64``, ``fixed:64:nop99``,
+    P99 fallback, ``kv_budget=F`` sets the committed-KV budget's fraction of the pool,
+    ``surge=R`` the surge ratio of the proportional fallback (``surge=0``: trim long buckets
+    whether or not they surge, the rule before issue 14's stop 8).
+    Examples: ``fixed:64``, ``fixed:64/64/64/64``, ``fixed:64:nop99``, ``fixed:256:surge=0``,
     ``fixed:64/64/64/64:halve``, ``fixed:32/32/8/8@48``.
     """
     spec, *options = arg.split(":")
@@ -274,6 +276,12 @@ def fixed_factory(arg: str) -> FixedController:
             changes[option[2:]] = False
         elif option in _FALLBACKS:
             changes["p99_fallback"] = option
+        elif option.startswith("surge="):
+            try:
+                changes["p99_surge_ratio"] = float(option.partition("=")[2])
+            except ValueError:
+                raise ValueError(f"surge= needs a ratio (0: trim long buckets whether or not "
+                                 f"they surge), got {option!r} in fixed:{arg}") from None
         elif option.startswith("kv_budget="):
             try:
                 changes["kv_budget_fraction"] = float(option.partition("=")[2])
@@ -283,6 +291,6 @@ def fixed_factory(arg: str) -> FixedController:
         else:
             raise ValueError(f"unknown fixed option {option!r} in fixed:{arg}; options: "
                              f"{', '.join('no' + r for r in _SWITCHABLE)}, unguarded, "
-                             f"{', '.join(_FALLBACKS)}, kv_budget=FRACTION")
+                             f"{', '.join(_FALLBACKS)}, kv_budget=FRACTION, surge=RATIO")
     guard = GuardConfig(**changes)  # type: ignore[arg-type]
     return FixedController(f"fixed:{arg}", caps, total, guard)

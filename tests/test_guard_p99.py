@@ -79,24 +79,41 @@ def test_every_limiting_rule_lowers_the_total(rule: str, kwargs: dict[str, objec
     assert {o.rule for o in overrides} == {rule}
 
 
-def test_proportional_trims_the_long_bucket_then_grows_it_back() -> None:
+def test_proportional_trims_a_surging_long_bucket_then_grows_it_back() -> None:
     guard = _guard(**NO_P99)
     caps = ControlAction((64,) * 4, FOUR)
     chat = (4, 4, 0, 0)  # mean nominal length 1024: only the 4k+ bucket is long
-    for t in range(1, 5):  # learn the length mix: chat, few long reports
-        guard.check(caps, _stats(t, arrived=chat, running=(40, 10, 0, 8)))
-    breach = dict(tpot_p99=0.2, arrived=chat, running=(40, 10, 0, 8), action=caps)
-    seen = [guard.check(caps, _stats(t, **breach))[0].caps for t in range(5, 16)]  # type: ignore[arg-type]
+    for t in range(1, 61):  # learn the usual traffic: chat, no long reports
+        guard.check(caps, _stats(t, arrived=chat, running=(40, 10, 0, 0)))
+    flood = (4, 4, 0, 1)  # reports start to arrive: a surge of the 4k+ bucket
+    for t in range(61, 66):
+        guard.check(caps, _stats(t, arrived=flood, running=(40, 10, 0, 8)))
+    breach = dict(tpot_p99=0.2, arrived=flood, running=(40, 10, 0, 8), action=caps)
+    seen = [guard.check(caps, _stats(t, **breach))[0].caps for t in range(66, 77)]  # type: ignore[arg-type]
     # the 4k+ bucket (nominal 6144 tokens, >= 2x the mean) trimmed to 8 x 0.1/0.2
     assert seen[0] == (64, 64, 64, 4) and seen[9] == (64, 64, 64, 4)  # then 10 s cooldown
     assert seen[10] == (64, 64, 64, 2)  # occupancy 8, limit 4 -> 4 x 0.5
     ok = dict(arrived=chat, running=(40, 10, 0, 2), queued=(0, 0, 0, 5), action=caps)
-    grown = [guard.check(caps, _stats(t, **ok))[0].caps[3] for t in range(16, 70)]  # type: ignore[arg-type]
+    grown = [guard.check(caps, _stats(t, **ok))[0].caps[3] for t in range(77, 131)]  # type: ignore[arg-type]
     # held 30 s, then +1 per 10 s: a gentle climb, no cliff
     assert grown[:30] == [2] * 30 and grown[30:40] == [3] * 10 and grown[40:50] == [4] * 10
     # nothing held back any more: the limit is dropped
-    action, _ = guard.check(caps, _stats(70, arrived=chat, running=(40, 10, 0, 1)))
+    action, _ = guard.check(caps, _stats(131, arrived=chat, running=(40, 10, 0, 1)))
     assert action.caps == (64,) * 4 and not guard.state.p99_active
+
+
+@pytest.mark.parametrize("surge_ratio,trimmed", [(2.0, False), (0.0, True)])
+def test_proportional_serves_a_steady_share_of_long_prompts_unless_told_otherwise(
+        surge_ratio: float, trimmed: bool) -> None:
+    guard = _guard(**NO_P99, p99_surge_ratio=surge_ratio)
+    caps = ControlAction((64,) * 4, FOUR)
+    mix = (4, 4, 0, 1)  # the same share of long reports from the start
+    for t in range(1, 61):
+        guard.check(caps, _stats(t, arrived=mix, running=(40, 10, 0, 8)))
+    action, overrides = guard.check(caps, _stats(61, tpot_p99=0.2, arrived=mix,
+                                                 running=(40, 10, 0, 8), action=caps))
+    assert action.caps == ((64, 64, 64, 4) if trimmed else (64,) * 4)
+    assert bool(overrides) is trimmed
 
 
 def test_proportional_leaves_a_breach_of_the_traffics_own_bulk_alone() -> None:
@@ -110,7 +127,8 @@ def test_proportional_leaves_a_breach_of_the_traffics_own_bulk_alone() -> None:
 
 @pytest.mark.parametrize("field,value", [
     ("p99_fallback", "cliff"), ("max_total_cap", 0), ("p99_long_ratio", 0.5),
-    ("p99_recover_step", 0), ("p99_floor_cap", 0), ("p99_cooldown_s", -1.0)])
+    ("p99_recover_step", 0), ("p99_floor_cap", 0), ("p99_cooldown_s", -1.0),
+    ("p99_surge_ratio", -1.0)])
 def test_bad_config_values_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
         GuardConfig(**{field: value})  # type: ignore[arg-type]
@@ -128,7 +146,8 @@ def test_fixed_controller_grammar() -> None:
     unguarded = fixed_factory("64:unguarded").guard.config
     assert not (unguarded.warmup or unguarded.kv_high or unguarded.p99 or unguarded.efficiency
                 or unguarded.kv_budget)
-    for bad in ("", "abc", "0", "64/0/1/1", "64:nop100", "64:bogus", "64/x"):
+    assert fixed_factory("256:surge=0").guard.config.p99_surge_ratio == 0.0
+    for bad in ("", "abc", "0", "64/0/1/1", "64:nop100", "64:bogus", "64/x", "64:surge=x"):
         with pytest.raises(ValueError, match="fixed"):
             fixed_factory(bad)
     with pytest.raises(ValueError, match="3 bucket caps"):
@@ -173,22 +192,27 @@ def recovery(series: list[tuple[float, float]], sla_s: float = 0.1) -> tuple[flo
 
 
 # (first breach, first tick back under the SLA, last breach, ticks in breach), engine s. The
-# reports flood in over 120-300 s; with the P99 rule the 4k+ bucket is trimmed 7 -> 4 -> 2 -> 1
-# and the P99 is back under in 34 s; probing back up while reports still queue costs one short
-# re-breach (335-370 s); without the rule the P99 stays over the SLA from 143 s to 369 s.
-FLOOD_GUARDED = (143.0, 177.0, 370.0, 73)
+# reports flood in over 120-300 s, a surge of the 4k+ bucket: with the P99 rule it is trimmed
+# 7 -> 4 -> 2 -> 1 and the P99 is back under in 34 s. Once the flood ebbs (its recent rate no
+# longer 2x its usual one) the reports it held back are served, which costs a second breach
+# (390-420 s); the rule from before surges were told apart (``surge=0``) keeps trimming them
+# and probes back up in one short re-breach (335-370 s). Without the rule the P99 stays over
+# the SLA from 143 s to 369 s.
+FLOOD_GUARDED = (143.0, 177.0, 420.0, 123)
+FLOOD_ALWAYS_TRIM = (143.0, 177.0, 370.0, 73)
 FLOOD_UNGUARDED = (143.0, 370.0, 369.0, 227)
 
 
 def test_flood_of_long_reports_default_guard_brings_tpot_p99_back_under_sla() -> None:
     guarded, series = flood_run("fixed:256")
-    first, back, last, ticks = recovery(series)
+    always, series_always = flood_run("fixed:256:surge=0")
     unguarded, series_off = flood_run("fixed:256:nop99")
-    first_off, back_off, last_off, ticks_off = recovery(series_off)
-    assert (first, back, last, ticks) == FLOOD_GUARDED
-    assert (first_off, back_off, last_off, ticks_off) == FLOOD_UNGUARDED
-    assert guarded["kv_overflows"] == unguarded["kv_overflows"] == 0
-    assert guarded["goodput_rps"] > 1.3 * unguarded["goodput_rps"]  # type: ignore[operator]
+    assert recovery(series) == FLOOD_GUARDED
+    assert recovery(series_always) == FLOOD_ALWAYS_TRIM
+    assert recovery(series_off) == FLOOD_UNGUARDED
+    assert guarded["kv_overflows"] == always["kv_overflows"] == unguarded["kv_overflows"] == 0
+    assert guarded["goodput_rps"] > 1.25 * unguarded["goodput_rps"]  # type: ignore[operator]
+    assert always["goodput_rps"] > 1.3 * unguarded["goodput_rps"]  # type: ignore[operator]
 
 
 def test_fixed_total_cap_behind_the_default_guard_keeps_goodput_on_a_contested_run(

@@ -38,7 +38,8 @@ Rules, applied in this order to the proposed caps (each only ever lowers a cap):
 
     - ``proportional`` (default) acts where the breach comes from
       (:mod:`rlbatch.control.p99_trim`): it trims the buckets whose prompts are long against
-      the traffic (their prefills slow every decode) in proportion to the overshoot, or the
+      the traffic (their prefills slow every decode) while they surge (a flood of long
+      reports; a steady share of long prompts is served) in proportion to the overshoot, or the
       total when the batch itself is too slow, and nothing when the tail comes from the
       traffic's own bulk (no cap removes that without queueing it); back within SLA the
       limits grow back by ``p99_recover_step`` per ``p99_cooldown_s``: no cliff.
@@ -111,6 +112,11 @@ class GuardConfig:
         nominal prompt length is at least this multiple of the traffic's mean.
     :param p99_recover_step: ``proportional``: how much each trimmed limit grows per tick
         once the P99 is back within SLA.
+    :param p99_surge_ratio: ``proportional``: a long bucket is trimmed only while it surges,
+        its arrival rate over the last ~30 ticks above this multiple of its rate over the
+        last ~600 (0: whenever it is long). Long prompts that are a steady part of the
+        traffic are served as a static cap would serve them: trimming them only trades their
+        SLA for the short buckets' (BENCHMARKS.md, issue 14, stop 8).
     :param efficiency: enable the batch-efficiency monitor.
     :param efficiency_threshold: efficiency below which caps shrink.
     :param efficiency_factor: multiplier applied to the caps in force.
@@ -138,6 +144,7 @@ class GuardConfig:
     p99_cooldown_s: float = 10.0
     p99_long_ratio: float = 2.0
     p99_recover_step: int = 1
+    p99_surge_ratio: float = 2.0
     efficiency: bool = True
     efficiency_threshold: float = 0.7
     efficiency_factor: float = 0.75
@@ -178,6 +185,8 @@ class GuardConfig:
             raise ValueError(f"p99_floor_cap must be >= 1, got {self.p99_floor_cap}")
         if not self.p99_long_ratio >= 1:
             raise ValueError(f"p99_long_ratio must be >= 1, got {self.p99_long_ratio}")
+        if not self.p99_surge_ratio >= 0:
+            raise ValueError(f"p99_surge_ratio must be >= 0, got {self.p99_surge_ratio}")
         if self.p99_recover_step < 1:
             raise ValueError(f"p99_recover_step must be >= 1, got {self.p99_recover_step}")
         if self.over_length not in ("truncate", "reject"):
@@ -264,7 +273,7 @@ class Guard:
         cfg = self.config
         return ProportionalTrim(lengths, self._sla_tpot_s, cfg.p99_long_ratio,
                                 cfg.p99_recover_step, cfg.p99_hold_s, cfg.p99_cooldown_s,
-                                cfg.max_total_cap)
+                                cfg.max_total_cap, cfg.p99_surge_ratio)
 
     @property
     def overrides_total(self) -> int:

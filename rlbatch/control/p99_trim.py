@@ -1,18 +1,20 @@
 """The guard's ``proportional`` P99 fallback: trim where a TPOT breach comes from.
 
-A cap cannot remove prefill work, only postpone it: trimming a bucket trades its own
-requests' TTFT for everyone else's TPOT. That is worth it for the buckets whose prompts are
-long against the traffic (nominal length >= ``long_ratio`` x the arrival-weighted mean: few
-requests, most of the prefill that slows every decode), which are trimmed to their occupancy
-x SLA / P99 (at least one less, floor 1). With no such bucket, when the mean iteration time
-exceeds the TPOT limit while decodes dominate the computed tokens, the batch is too big for
-everyone: the total (without a total, every occupied bucket) is trimmed to the running count x
-SLA / iteration time. Otherwise the tail comes from the prefills of the traffic's own bulk,
-which no cap removes without queueing that bulk, and nothing is trimmed. Decreases are at most
-one per ``cooldown_s``. Back within SLA for ``hold_s``, each limit grows by ``recover_step``
-once per ``cooldown_s`` (no cliff) and is dropped once it no longer binds (the proposal is
-reached, or nothing of its bucket is held back). :class:`rlbatch.control.guard.Guard` owns
-one per run.
+A cap cannot remove prefill work, only postpone it: trimming a bucket trades its own requests'
+TTFT for everyone else's TPOT. That is worth it for the buckets whose prompts are long against
+the traffic (nominal length >= ``long_ratio`` x the arrival-weighted mean: few requests, most
+of the prefill that slows every decode) while they surge (recent arrival rate over
+``surge_ratio`` x their usual rate: a flood postponed is served once it ebbs, whereas a steady
+share of long prompts held back only queues until its requests miss), which are trimmed to
+their occupancy x SLA / P99 (at least one less, floor 1). With no long bucket (surging or
+not), when the mean iteration time exceeds the TPOT limit while decodes dominate the computed
+tokens, the batch is too big for everyone: the total (without a total, every occupied bucket)
+is trimmed to the running count x SLA / iteration time. Otherwise the tail comes from the
+prefills of the traffic's own bulk, which no cap removes without queueing that bulk, and
+nothing is trimmed. Decreases are at most one per ``cooldown_s``. Back within SLA for
+``hold_s``, each limit grows by ``recover_step`` once per ``cooldown_s`` (no cliff) and is
+dropped once it no longer binds (the proposal is reached, or nothing of its bucket is held
+back). :class:`rlbatch.control.guard.Guard` owns one per run.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from collections.abc import Sequence
 from rlbatch.control.types import DeploymentInfo, DeploymentStats
 
 EMA = 0.01  # per tick (~100 ticks): the traffic's length mix, iteration time, prefill share
+SURGE_FAST = 1 / 30  # per tick: a bucket's recent arrival rate
+SURGE_SLOW = 1 / 600  # per tick: its usual arrival rate
 Limits = tuple[tuple[int | None, ...] | None, int | None]
 
 
@@ -56,10 +60,13 @@ class ProportionalTrim:
     :param hold_s: how long the P99 must be within SLA before the limits grow.
     :param cooldown_s: least time between two changes of the limits.
     :param max_total: the largest total (the ceiling of a bucket limit without a total).
+    :param surge_ratio: a long bucket is trimmed only while its recent arrival rate exceeds
+        this multiple of its usual rate (0: always).
     """
 
     def __init__(self, lengths: tuple[float, ...], sla_tpot_s: float, long_ratio: float,
-                 recover_step: int, hold_s: float, cooldown_s: float, max_total: int) -> None:
+                 recover_step: int, hold_s: float, cooldown_s: float, max_total: int,
+                 surge_ratio: float = 0.0) -> None:
         self.n = len(lengths)
         self.lengths = lengths
         self.sla_tpot_s = sla_tpot_s
@@ -68,6 +75,9 @@ class ProportionalTrim:
         self.hold_s = hold_s
         self.cooldown_s = cooldown_s
         self.max_total = max_total
+        self.surge_ratio = surge_ratio
+        self.fast = _Average(self.n, SURGE_FAST)
+        self.slow = _Average(self.n, SURGE_SLOW)
         self.arrivals: tuple[float, ...] = ()
         self.iteration_s = 0.0
         self.prefill_share = 0.0
@@ -80,6 +90,8 @@ class ProportionalTrim:
         """Track the length mix (arrivals per bucket), iteration time and prefill share."""
         arrived = [max(0.0, _finite(float(a))) for a in stats.arrived][:self.n]
         arrived += [0.0] * (self.n - len(arrived))
+        self.fast.add(arrived)
+        self.slow.add(arrived)
         self.arrivals = (tuple(arrived) if len(self.arrivals) != self.n else
                          tuple(e + EMA * (a - e) for e, a in zip(self.arrivals, arrived,
                                                                  strict=True)))
@@ -99,6 +111,11 @@ class ProportionalTrim:
         mean_len = sum(w * ln for w, ln in zip(self.arrivals, self.lengths, strict=True)) / mass
         return [b for b in range(self.n) if self.lengths[b] >= self.long_ratio * mean_len
                 and (occupied[b] > 0 or self.arrivals[b] > 0)]
+
+    def surging(self, buckets: Sequence[int]) -> list[int]:
+        """Of ``buckets``, those arriving faster than ``surge_ratio`` x their usual rate."""
+        fast, slow, ratio = self.fast.value, self.slow.value, self.surge_ratio
+        return [b for b in buckets if ratio <= 0 or fast[b] > ratio * slow[b]]
 
     def update(self, stats: DeploymentStats, t: float, overshoot: float,
                caps: Sequence[int | None], total: int | None, in_force: Sequence[int | None],
@@ -150,7 +167,8 @@ class ProportionalTrim:
             return min(x for x in (occupied[b], in_force[b], limit[b]) if x is not None)
 
         long = self.long_buckets(occupied)
-        for b in long:
+        trimmed = self.surging(long)
+        for b in trimmed:
             limit[b] = trim(base(b), 1.0 / overshoot)
         batch_bound = (not long and self.iteration_s > self.sla_tpot_s
                        and self.prefill_share < 0.5)
@@ -164,5 +182,25 @@ class ProportionalTrim:
                 for b in range(self.n):
                     if occupied[b] > 0:
                         limit[b] = trim(base(b), factor)
-        if long or batch_bound:
+        if trimmed or batch_bound:
             self.changed_at_s = t
+
+
+class _Average:
+    """Per-bucket exponential average, bias-corrected: from the first tick on it is the
+    weighted mean of what was seen (a run that starts mid-trace starts from its own mix,
+    not from zero)."""
+
+    def __init__(self, n: int, weight: float) -> None:
+        self.weight = weight
+        self.sums = [0.0] * n
+        self.mass = 0.0
+
+    def add(self, values: Sequence[float]) -> None:
+        keep = 1.0 - self.weight
+        self.sums = [keep * s + self.weight * v for s, v in zip(self.sums, values, strict=True)]
+        self.mass = keep * self.mass + self.weight
+
+    @property
+    def value(self) -> list[float]:
+        return [s / self.mass for s in self.sums] if self.mass > 0 else list(self.sums)
