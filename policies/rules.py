@@ -230,6 +230,10 @@ class FixedController(GuardedController):
 
 _SWITCHABLE = ("warmup", "kv_high", "p99", "efficiency", "kv_budget")
 _FALLBACKS = ("proportional", "halve", "no_batching")
+_NUMERIC = {"kv_budget": ("kv_budget_fraction", "a fraction"),
+            "surge": ("p99_surge_ratio",
+                      "a ratio (0: trim long buckets whether or not they surge)")}
+"""``fixed`` options ``KEY=NUMBER``: the guard field each sets and what it takes."""
 
 
 def fixed_factory(arg: str) -> FixedController:
@@ -276,17 +280,13 @@ def fixed_factory(arg: str) -> FixedController:
             changes[option[2:]] = False
         elif option in _FALLBACKS:
             changes["p99_fallback"] = option
-        elif option.startswith("surge="):
+        elif option.partition("=")[0] in _NUMERIC:
+            key, _, text = option.partition("=")
+            field, meaning = _NUMERIC[key]
             try:
-                changes["p99_surge_ratio"] = float(option.partition("=")[2])
+                changes[field] = float(text)
             except ValueError:
-                raise ValueError(f"surge= needs a ratio (0: trim long buckets whether or not "
-                                 f"they surge), got {option!r} in fixed:{arg}") from None
-        elif option.startswith("kv_budget="):
-            try:
-                changes["kv_budget_fraction"] = float(option.partition("=")[2])
-            except ValueError:
-                raise ValueError(f"kv_budget= needs a fraction, got {option!r} in "
+                raise ValueError(f"{key}= needs {meaning}, got {option!r} in "
                                  f"fixed:{arg}") from None
         else:
             raise ValueError(f"unknown fixed option {option!r} in fixed:{arg}; options: "
