@@ -9,20 +9,41 @@ the policy was trained with; artifacts without those fields are the first polici
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from policies.artifact import ArtifactError, PolicyArtifact, load_artifact
 from policies.rules import GuardedController
 from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, Codec, make_codec
 from rlbatch.control.guard import GuardConfig
+from rlbatch.control.guard_record import guard_from_record, record_mismatch
 from rlbatch.control.observation import ObservationBuilder
 from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats
 
+log = logging.getLogger(__name__)
+
 
 def artifact_guard(artifact: PolicyArtifact) -> GuardConfig:
-    """The guard a policy was trained behind: default rules on its cap ladder."""
+    """The guard a policy was trained behind: the one its artifact records, else (artifacts
+    written before the record) the default rules on its cap ladder."""
+    record = artifact.metadata.get("guard")
+    if isinstance(record, dict):
+        try:
+            return guard_from_record(record)
+        except (TypeError, ValueError) as exc:
+            raise ArtifactError(f"policy's recorded guard: {exc}") from exc
     ladder = tuple(int(c) for c in artifact.metadata["ladder"])
     return GuardConfig(ladder=ladder)
+
+
+def guard_warnings(artifact: PolicyArtifact, config: GuardConfig) -> list[str]:
+    """Why ``artifact``'s figures may not hold behind ``config``: empty when the guard in
+    force is the one it was trained behind."""
+    record = artifact.metadata.get("guard")
+    if not isinstance(record, dict):
+        return ["the artifact does not record the guard it was trained behind (written "
+                "before guard records): its figures hold only behind that guard"]
+    return record_mismatch(record, config)
 
 
 class PpoController(GuardedController):
@@ -30,13 +51,18 @@ class PpoController(GuardedController):
 
     :param artifact: the loaded artifact.
     :param name: controller name (``ppo:PATH``).
-    :param guard: guard configuration (default: the training run's ladder, default rules).
+    :param guard: guard configuration (default: the one the artifact records, see
+        :func:`artifact_guard`); differences from the recorded one are logged as warnings
+        and kept in :attr:`guard_warnings`.
     """
 
     def __init__(self, artifact: PolicyArtifact, name: str = "ppo",
                  guard: GuardConfig | None = None) -> None:
         super().__init__(name, guard or artifact_guard(artifact))
         self.artifact = artifact
+        self.guard_warnings = guard_warnings(artifact, self.guard.config)
+        for line in self.guard_warnings:
+            log.warning("%s: %s", name, line)
         meta = artifact.metadata
         self.action_kind = str(meta.get("action_kind", "per_bucket"))
         self.obs_version = int(meta.get("obs_version", 1))

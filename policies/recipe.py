@@ -40,6 +40,8 @@ from policies.protocol import rate_multiplier_for, training_window
 from policies.training import eval_score, export_actor
 from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, TotalShareCodec
 from rlbatch.control.controllers import make_controller
+from rlbatch.control.guard import GuardConfig
+from rlbatch.control.guard_record import guard_record
 from rlbatch.control.observation import feature_names, observation_size
 from rlbatch.engine.config import parse_pools
 from rlbatch.paths import default_training_traces
@@ -288,6 +290,8 @@ def export_student(policy: Any, cfg: RecipeConfig, codec: TotalShareCodec, path:
         "ladder": list(codec.totals),
         "pools": list(codec.pools),
         "recipe": "mpc teacher -> behaviour cloning -> DAgger -> PPO fine-tuning -> selection",
+        # the student acts behind the guard ppo:PATH builds from its ladder (artifact_guard)
+        "guard": guard_record(GuardConfig(ladder=tuple(codec.totals))),
         **(extra or {}),
     })
 

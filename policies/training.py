@@ -24,6 +24,7 @@ from policies.compare import starved_buckets
 from policies.ppo import PpoController
 from rlbatch import __version__
 from rlbatch.control.controllers import make_controller
+from rlbatch.control.guard_record import guard_record
 from rlbatch.control.observation import feature_names
 from rlbatch.control.stats_metrics import MetricContext, tensorboard_scalars
 from rlbatch.control.types import DeploymentStats
@@ -149,6 +150,7 @@ def export_policy(model: Any, env_unwrapped: Any, cfg: TrainConfig, path: Path,
         "feature_names": feature_names(spec.buckets.names),
         "ladder": list(env_unwrapped.ladder),
         "pools": list(env_unwrapped.pool_names),
+        "guard": guard_record(env_unwrapped.guard.config),
         **(extra or {}),
     })
 

@@ -36,6 +36,8 @@ def test_tiny_run_writes_artifacts_and_logs(tiny_run: tuple[Path, object]) -> No
     assert list((out / "tb").rglob("events.out.tfevents.*"))
     assert json.loads((out / "history.json").read_text())[0]["timesteps"] == 256
     assert not list(out.rglob("*.zip")) and not list(out.rglob("*.pkl"))
+    meta = json.loads((out / "final" / "policy.json").read_text())
+    assert meta["guard"]["ladder"] == meta["ladder"]
 
 
 def test_exported_artifact_acts_like_the_sb3_model(tmp_path: Path) -> None:

@@ -120,6 +120,9 @@ def test_student_artifact_serves_like_the_network(tmp_path: Path) -> None:
     row = run(workload, controller, DeploymentSpec(), drain_s=30.0).row
     assert row["completed"] + row["rejected"] + row["unfinished"] == len(workload)
     assert controller.guard.config.max_cap == 256
+    # the recipe records the guard the student acted behind; serving rebuilds it, silently
+    assert artifact.metadata["guard"]["ladder"] == list(TOTAL_LADDER)
+    assert controller.guard_warnings == []
 
 
 def _row(controller: str, trace: str, rate: float, goodput: float, sla: float,

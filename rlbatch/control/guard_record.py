@@ -1,0 +1,65 @@
+"""What a policy artifact records of the guard it was trained behind, and the check at serving.
+
+A policy learns to act through the guard: the guard's rules are part of the environment it
+was trained in, and its figures hold behind that guard only. Issue 14 (stop 8) changed the
+P99 rule, and the two-pool policy trained behind the previous rule fell from 1.03x to 0.76x
+the best static without anything saying so. The artifact therefore records the guard's
+configuration and :data:`GUARD_REVISION`; serving rebuilds that configuration and warns when
+the guard in force differs from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import fields
+
+from rlbatch.control.guard import GuardConfig
+
+GUARD_REVISION = 8
+"""Bumped whenever a rule behaves differently under the same configuration (8: the P99 trim
+serves a steady share of long prompts, BENCHMARKS.md issue 14, stop 8)."""
+
+
+def guard_record(config: GuardConfig) -> dict[str, object]:
+    """``config``'s fields, JSON-ready, and ``revision``: :data:`GUARD_REVISION`."""
+    record: dict[str, object] = {}
+    for f in fields(config):
+        value = getattr(config, f.name)
+        record[f.name] = list(value) if isinstance(value, tuple) else value
+    record["revision"] = GUARD_REVISION
+    return record
+
+
+def guard_from_record(record: Mapping[str, object]) -> GuardConfig:
+    """The configuration :func:`guard_record` wrote (``revision`` aside: see
+    :func:`record_mismatch`); a field missing from the record takes its default.
+
+    :param record: the recorded dict.
+    :raises ValueError: a field this version does not know, or an invalid value.
+    """
+    known = {f.name for f in fields(GuardConfig)}
+    unknown = sorted(set(record) - known - {"revision"})
+    if unknown:
+        raise ValueError(f"the recorded guard has fields this rlbatch does not know: {unknown} "
+                         f"(written by a newer version?)")
+    values = {k: tuple(v) if isinstance(v, list) else v
+              for k, v in record.items() if k in known}
+    return GuardConfig(**values)  # type: ignore[arg-type]
+
+
+def record_mismatch(record: Mapping[str, object], config: GuardConfig) -> list[str]:
+    """How ``config`` under this version's rules differs from a recorded guard: one line per
+    difference; empty when they are the same.
+
+    :param record: a :func:`guard_record` dict.
+    :param config: the guard in force.
+    """
+    out: list[str] = []
+    revision = record.get("revision")
+    if revision != GUARD_REVISION:
+        out.append(f"guard revision {revision} recorded, this rlbatch's rules are revision "
+                   f"{GUARD_REVISION}")
+    for key, value in guard_record(config).items():
+        if key != "revision" and key in record and record[key] != value:
+            out.append(f"{key}: {record[key]!r} recorded, {value!r} in force")
+    return out
