@@ -115,6 +115,25 @@ def test_growth_starts_exactly_where_next_growth_at_says(prompt: int, reserve_ou
     assert r.grown(reserved, limit, prompt, 10_000) == limit
 
 
+@given(mode=st.sampled_from(["observed", "declared", "oracle"]),
+       outs=st.lists(st.tuples(st.integers(0, 1), st.integers(1, 600)), max_size=40),
+       prompt=st.integers(1, 500), real=st.integers(1, 600),
+       max_tokens=st.none() | st.integers(600, 2000), bucket=st.integers(0, 1))
+def test_admission_is_limit_within_and_next_growth_in_one_call(
+        mode: str, outs: list[tuple[int, int]], prompt: int, real: int,
+        max_tokens: int | None, bucket: int) -> None:
+    """The simulator's one call per admitted request gives the figures of the three."""
+    r = OutputReserve(mode, 2, 16, 1024, min_samples=4,  # type: ignore[arg-type]
+                      prior_output_tokens=300)
+    for b, out in outs:
+        r.observe(b, out)
+    request = Request(0, 0.0, prompt, real, max_tokens=max_tokens)
+    limit = r.limit_tokens(request, prompt)
+    count = r.within(limit, bucket, prompt)
+    assert r.admission(request, bucket, prompt) == (
+        limit, count, r.next_growth_at(count, limit, prompt))
+
+
 def test_engine_count_grows_as_a_request_outruns_its_reserve() -> None:
     engine = sim_engine(0, "fp16", blocks=200)
     reserve = engine._reserve

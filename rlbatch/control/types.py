@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from rlbatch.buckets import Buckets
 from rlbatch.engine.stats import EngineStats, FinishedRequest, batch_efficiency
+from rlbatch.frozen import quick_init
 
 ANY_POOL = "any"
 """Route a bucket to the least-loaded engine of the whole deployment, whatever its pool (what
@@ -126,7 +127,8 @@ class DeploymentInfo:
         return tuple(self.pools)
 
 
-@dataclass(frozen=True)
+@quick_init  # once per control tick
+@dataclass(frozen=True, slots=True)
 class WindowStats:
     """Latency percentiles over the sliding window ending at the tick (NaN when empty).
 
@@ -150,7 +152,8 @@ class WindowStats:
     sla_met: tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@quick_init  # once per control tick
+@dataclass(frozen=True, slots=True)
 class DeploymentStats:
     """One control tick's snapshot of the whole deployment.
 

@@ -105,12 +105,23 @@ class DecodeLane:
         """The requests that reached their last token by the counter (in running order),
         synced and out of the lane."""
         heap = self.finish_heap
+        epoch = self.epoch
+        block = self.block_size
         out: list[SimSeq] = []
-        while heap and heap[0][0] <= self.epoch:
+        while heap and heap[0][0] <= epoch:
             seq = heapq.heappop(heap)[2]
-            self.sync(seq)
-            self._leave(seq)
+            # sync(seq), then out of the lane (inline: once per request)
+            base = seq.prompt_len + seq.out_base
+            seq.num_output = seq.out_base + epoch
+            seq.num_computed = computed = base + epoch - 1
+            seq.blocks = -(-computed // block)
+            seq.in_lane = False
+            self.n -= 1
+            self.kv_base -= base
+            self.residues[(base - 1) % block] -= 1
             out.append(seq)
+        if self.n == 0:
+            self.max_order = -1
         return out
 
     def clear(self, running: list[SimSeq]) -> None:
@@ -129,11 +140,3 @@ class DecodeLane:
         self.grow_heap = []
         self.growing = []
         self.max_order = -1
-
-    def _leave(self, seq: SimSeq) -> None:
-        seq.in_lane = False
-        self.n -= 1
-        self.kv_base -= seq.prompt_len + seq.out_base
-        self.residues[(seq.prompt_len + seq.out_base - 1) % self.block_size] -= 1
-        if self.n == 0:
-            self.max_order = -1

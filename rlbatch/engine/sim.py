@@ -36,6 +36,8 @@ request, the reference) and :mod:`rlbatch.engine.sim_scheduler` (the faster path
 
 from __future__ import annotations
 
+from operator import sub
+
 from rlbatch.engine.config import EngineConfig
 from rlbatch.engine.decode_lane import DecodeLane
 from rlbatch.engine.fork import fork_state
@@ -168,10 +170,8 @@ class SimEngine(SimScheduler):
         if ids and self._cache is not None:
             prefix = (ids, request.prompt_tokens - prompt_tokens)  # a truncated prompt's tail
         seq = SimSeq(request, bucket, prompt_tokens, truncated, prefix)
-        reserve = self._reserve
-        seq.kv_limit = reserve.limit_tokens(request, prompt_tokens)
-        seq.committed = reserve.within(seq.kv_limit, bucket, prompt_tokens)
-        seq.grow_at = reserve.next_growth_at(seq.committed, seq.kv_limit, prompt_tokens)
+        seq.kv_limit, seq.committed, seq.grow_at = self._reserve.admission(
+            request, bucket, prompt_tokens)
         self._waiting.append(seq)
         self._unfinished[bucket] += 1
         self._committed_tokens += seq.committed
@@ -229,7 +229,7 @@ class SimEngine(SimScheduler):
         running = self._in_running
         # The waiting queue can hold thousands under overload: derive its counts.
         unfinished = self._unfinished
-        waiting = [unfinished[b] - r for b, r in enumerate(running)]
+        waiting = tuple(map(sub, unfinished, running))  # per bucket: unfinished - running
         used = self.num_kv_blocks - self._free_blocks
         assert 0 <= self._free_blocks <= self.num_kv_blocks, self._free_blocks
         queries, hits, evictions = self._prefix_counts
@@ -255,11 +255,11 @@ class SimEngine(SimScheduler):
             start_s=self._interval_start,
             time_s=self._now,
             running=tuple(running),
-            waiting=tuple(waiting),
+            waiting=waiting,
             kv_cache_usage=used / self.num_kv_blocks,
             kv_cache_usage_peak=self._peak_used_blocks / self.num_kv_blocks,
             committed_tokens=self.committed_tokens(),
-            kv_capacity_tokens=self.kv_capacity_tokens,
+            kv_capacity_tokens=self.num_kv_blocks * self._block_size,
             num_kv_blocks=self.num_kv_blocks,
             # vLLM pre-allocates its whole budget (weights, activations, KV pool) at start-up.
             gpu_memory_used_bytes=int(self.gpu_memory_total_bytes

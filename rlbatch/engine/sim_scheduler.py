@@ -82,10 +82,10 @@ class SimScheduler(ExactScheduler):
             arrival due, nothing queued outside the engine): the engine goes on, iteration
             after iteration, until one would start at or after it (or it is idle).
         """
-        self._run(bound_s, greedy=True)
+        self._run(bound_s, True)
         while self._now < then_s and (self._running or self._waiting or self._loading):
             before = self._now
-            self._run(then_s, greedy=True)
+            self._run(then_s, True)
             if self._now == before:
                 return  # nothing could run (the exact path's empty iteration)
 
@@ -213,7 +213,7 @@ class SimScheduler(ExactScheduler):
         n = lane.n
         if n == 0 or self._explicit or n > self._budget or self._wake_left \
                 or (self._shapes is not None and n not in self._shapes) \
-                or not self._admission_blocked():
+                or (self._waiting and not self._admission_blocked()):
             return False
         if self._loading:
             # the first iteration after a copy from the host completed may admit its request
@@ -221,7 +221,8 @@ class SimScheduler(ExactScheduler):
             if ready < bound_s:
                 bound_s = ready
         to_finish = lane.finish_heap[0][0] - lane.epoch - (not greedy)
-        base, per_kv = self._coefficients(n)
+        coeffs = self._decode_coeffs.get(n)  # self._coefficients(n), its lookup inline
+        base, per_kv = coeffs if coeffs is not None else self._coefficients(n)
         kv = lane.kv_base + n * lane.epoch
         residues = lane.residues
         block = self._block_size
@@ -273,17 +274,21 @@ class SimScheduler(ExactScheduler):
         lane.epoch += k
         if self._shapes is not None:
             self._shapes.move_to_end(n)  # the run's size is the most recent
+        # the peak usage (_note_usage, inline: once or twice per call)
+        total = self.num_kv_blocks
         if greedy and k == to_finish:
             # the last iteration finished requests: the peak is before their blocks return
-            self._free_blocks = free + need
-            self._note_usage()
+            if total - free - need > self._peak_used_blocks:
+                self._peak_used_blocks = total - free - need
             self._free_blocks = free
             for seq in lane.pop_finished():
                 self._finish(seq, now)
             self._decode_run = False
         else:
             self._free_blocks = free
-        self._note_usage()
+        used = total - self._free_blocks
+        if used > self._peak_used_blocks:
+            self._peak_used_blocks = used
         return True
 
     def _sync_growth(self) -> None:

@@ -5,6 +5,12 @@ from __future__ import annotations
 from rlbatch.engine.prefix_cache import Layout
 from rlbatch.request import Request
 
+_NO_EXTENTS: list[int] = []
+"""The extents of every request before its first prefix lookup, shared: never written (a
+request gets its own list at that lookup, :mod:`rlbatch.engine.sim_caches`), and one list
+fewer per request for the allocator and the garbage collector (the waiting queue can hold
+thousands)."""
+
 
 class SimSeq:
     """Mutable scheduler state of one request inside a simulated engine.
@@ -80,7 +86,7 @@ class SimSeq:
         self.out_base = 0
         self.prefix = prefix
         self.layout: Layout | None = None
-        self.extents: list[int] = []
+        self.extents: list[int] = _NO_EXTENTS
         self.cached = 0
         self.uncached = 0
         self.host_low = -1

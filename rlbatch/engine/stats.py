@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from rlbatch.frozen import quick_init
+
 
 def batch_efficiency(computed_tokens: int, recomputed_tokens: int) -> float:
     """Useful tokens / computed tokens: the one batch-efficiency formula.
@@ -25,6 +27,7 @@ def batch_efficiency(computed_tokens: int, recomputed_tokens: int) -> float:
     return max(0.0, computed_tokens - recomputed_tokens) / computed_tokens
 
 
+@quick_init  # one per request
 @dataclass(frozen=True, slots=True)
 class FinishedRequest:
     """Timings of one request that left the system (finished or rejected).
@@ -69,6 +72,7 @@ class FinishedRequest:
                                self.rejected))
 
 
+@quick_init  # one per engine and control tick
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     """State and counters of one engine over one interval (a control tick).

@@ -385,8 +385,15 @@ class RooflineStepTimeModel(StepTimeModel):
             raise ValueError(f"negative input: num_prefill_tokens={num_prefill_tokens}, "
                              f"prefill_attn_work={prefill_attn_work}, "
                              f"num_decode_seqs={num_decode_seqs}")
-        return (self._fixed + self._token_cost(num_prefill_tokens + num_decode_seqs)
-                + self._sample_cost(num_decode_seqs + 1)
+        # the memo tables' lookups inline (once per iteration with prefill)
+        tokens = num_prefill_tokens + num_decode_seqs
+        token_cost = self._token_cache.get(tokens)
+        if token_cost is None:
+            token_cost = self._token_cost(tokens)
+        sample_cost = self._sample_cache.get(num_decode_seqs + 1)
+        if sample_cost is None:
+            sample_cost = self._sample_cost(num_decode_seqs + 1)
+        return (self._fixed + token_cost + sample_cost
                 + self._prefill_per_work * prefill_attn_work
                 + self._decode_per_kv * decode_kv_tokens)
 

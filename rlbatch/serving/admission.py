@@ -13,6 +13,7 @@ a tick's arrivals and rejections come from one set of counters.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from rlbatch.control.types import ANY_POOL, ControlAction
 from rlbatch.engine.base import Engine
 from rlbatch.engine.fork import fork_state
 from rlbatch.engine.stats import FinishedRequest
+from rlbatch.frozen import quick_init
 from rlbatch.request import Request
 
 OverLengthPolicy = Literal["reject", "truncate"]
@@ -90,7 +92,8 @@ class Rejected:
 Outcome = Queued | Admitted | Rejected
 
 
-@dataclass(frozen=True)
+@quick_init  # once per control tick
+@dataclass(frozen=True, slots=True)
 class TickCounters:
     """What admission counted since the previous :meth:`Admission.take_counters`.
 
@@ -119,6 +122,7 @@ class Admission:
                  config: AdmissionConfig) -> None:
         self.engines = engines
         self.buckets = buckets
+        self._edges = buckets.edges  # Buckets.index's, looked up once per arrival
         self.max_model_len = max_model_len
         self.config = config
         self.pools: dict[str, list[Engine]] = {}
@@ -186,9 +190,9 @@ class Admission:
         :returns: :class:`Queued`, :class:`Admitted` or :class:`Rejected` (counted and
             recorded in :attr:`rejected`).
         """
-        bucket = self.buckets.index(request.prompt_tokens)
-        self.arrived_in_tick[bucket] += 1
         prompt = request.prompt_tokens
+        bucket = bisect_right(self._edges, prompt)  # self.buckets.index(prompt), inline
+        self.arrived_in_tick[bucket] += 1
         truncated = False
         if prompt + request.max_output_tokens > self.max_model_len:
             room = self.max_model_len - request.max_output_tokens
@@ -198,10 +202,10 @@ class Admission:
         bound = self.config.max_queue_len
         if self.caps[bucket] is None:
             pool = self.routes[bucket]
-            engines = self.engines_of(pool)
+            engines = self.engines if pool == ANY_POOL else self.pools[pool]  # engines_of
             if bound is not None and sum(e.num_waiting(bucket) for e in engines) >= bound:
                 return self._reject(request, bucket, "queue_full")
-            engine = _least_loaded(engines)
+            engine = engines[0] if len(engines) == 1 else _least_loaded(engines)
             engine.add_request(request, bucket, prompt, truncated)
             if self.accepted is not None:
                 self.accepted.append((request.request_id, request.arrival_s, bucket))
@@ -307,7 +311,7 @@ class Admission:
                 self.config.over_length == "reject"
                 or self.max_model_len - request.max_output_tokens < 1):
             return True  # refused whenever it comes
-        bucket = self.buckets.index(prompt)
+        bucket = bisect_right(self._edges, prompt)  # self.buckets.index(prompt), inline
         cap = self.caps[bucket]
         if cap is None:
             return engine_holds

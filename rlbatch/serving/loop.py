@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import Any, Protocol, runtime_checkable
 
 from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats
@@ -224,7 +225,7 @@ class ControlLoop:
         """
         if not self.keep_records:
             raise ValueError("summary() needs keep_records=True")
-        makespan = max((r.finish_s for r in self.records), default=0.0)
+        makespan = max(map(attrgetter("finish_s"), self.records), default=0.0)
         makespan = max(makespan, self.last_arrival_s)
         row = summarize(self.records, self.info.buckets, self.info.sla,
                         makespan if makespan > 0 else math.nan, self.totals,
