@@ -8,6 +8,7 @@ and their registry are in :mod:`rlbatch.control.controllers`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from rlbatch.buckets import Buckets
 from rlbatch.engine.stats import EngineStats, FinishedRequest, batch_efficiency
@@ -302,6 +303,12 @@ class DeploymentStats:
         return tuple(es for es in self.engines if es.pool == pool)
 
 
+def within_sla(ttft_s: Any, tpot_s: Any, sla: SLA) -> Any:
+    """TTFT and TPOT both within the SLA's limits (NaN: not): the one formula, for a float or
+    elementwise for numpy arrays (a run's summary takes every record's columns at once)."""
+    return (ttft_s <= sla.ttft_s) & (tpot_s <= sla.tpot_s)
+
+
 def meets_sla(rec: FinishedRequest, sla: SLA) -> bool:
     """A finished request meets the SLA when both its TTFT and TPOT are within limits."""
-    return (not rec.rejected) and rec.ttft_s <= sla.ttft_s and rec.tpot_s <= sla.tpot_s
+    return (not rec.rejected) and bool(within_sla(rec.ttft_s, rec.tpot_s, sla))

@@ -110,11 +110,8 @@ class DecodeLane:
         out: list[SimSeq] = []
         while heap and heap[0][0] <= epoch:
             seq = heapq.heappop(heap)[2]
-            # sync(seq), then out of the lane (inline: once per request)
-            base = seq.prompt_len + seq.out_base
-            seq.num_output = seq.out_base + epoch
-            seq.num_computed = computed = base + epoch - 1
-            seq.blocks = -(-computed // block)
+            self.sync(seq)
+            base = seq.prompt_len + seq.out_base  # out of the lane
             seq.in_lane = False
             self.n -= 1
             self.kv_base -= base

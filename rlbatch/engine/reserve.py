@@ -158,32 +158,10 @@ class OutputReserve:
                   prompt_tokens: int) -> tuple[int, int, int]:
         """A request entering the engine: ``(limit, count, grow_at)``, its
         :meth:`limit_tokens`, its :meth:`within` that limit and the :meth:`next_growth_at` of
-        that count. The same figures in one call (once per request on the simulator's hot
-        path: those methods inline here; tests/test_reserve.py holds them equal)."""
-        max_len = self.max_model_len
-        if self.mode == "oracle":
-            tokens = prompt_tokens + request.max_output_tokens
-        else:  # declared_output_limit
-            room = max_len - prompt_tokens if max_len - prompt_tokens > 1 else 1
-            declared = request.max_tokens
-            tokens = prompt_tokens + (room if declared is None or room < declared
-                                      else declared)
-        if tokens > max_len:
-            tokens = max_len
-        block = self.block_size
-        limit = -(-tokens // block) * block
-        count = limit
-        if self.mode == "observed":
-            expected = self._cached[bucket]  # expected_output's first look
-            if expected is None:
-                expected = self.expected_output(bucket)
-                if expected is None:
-                    expected = self.prior_output_tokens
-            tokens = -(-(prompt_tokens + expected) // block) * block
-            if tokens < limit:
-                count = tokens
-        grow_at = 1 << 62 if count >= limit else max((count - prompt_tokens) // 2 + 1, 0)
-        return limit, count, grow_at
+        that count."""
+        limit = self.limit_tokens(request, prompt_tokens)
+        count = self.within(limit, bucket, prompt_tokens)
+        return limit, count, self.next_growth_at(count, limit, prompt_tokens)
 
     def at_admission(self, request: Request, bucket: int, prompt_tokens: int) -> int:
         """KV the request is counted at when it enters the engine, whole blocks."""

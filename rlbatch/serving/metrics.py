@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from rlbatch.buckets import Buckets
-from rlbatch.control.types import SLA, WindowStats, meets_sla
+from rlbatch.control.types import SLA, WindowStats, meets_sla, within_sla
 from rlbatch.engine.stats import EngineStats, FinishedRequest, batch_efficiency
 
 
@@ -344,11 +344,10 @@ def summarize(
     ttft = np.fromiter(map(attrgetter("ttft_s"), done), np.float64, n)
     tpot = np.fromiter(map(attrgetter("tpot_s"), done), np.float64, n)
     e2e = np.fromiter(map(attrgetter("e2e_s"), done), np.float64, n)
-    met = (ttft <= sla.ttft_s) & (tpot <= sla.tpot_s)  # meets_sla of each (none rejected)
+    met = within_sla(ttft, tpot, sla)  # meets_sla of each (none is rejected)
     out_tokens = sum(map(attrgetter("output_tokens"), done))
     served_tokens = sum(map(attrgetter("prompt_tokens"), done)) + out_tokens
-    fp8_tokens = sum(r.prompt_tokens + r.output_tokens for r in done if r.pool == "fp8") \
-        if "fp8" in map(attrgetter("pool"), done) else 0
+    fp8_tokens = sum(r.prompt_tokens + r.output_tokens for r in done if r.pool == "fp8")
     decided = len(done) + rejected + unfinished
     per_bucket: dict[str, dict[str, Any]] = {}
     bucket_idx = np.fromiter(map(attrgetter("bucket"), done), np.int64, n)
