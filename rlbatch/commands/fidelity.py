@@ -45,7 +45,7 @@ from rlbatch.workload import Workload, load_trace, resolve_workload
 
 __all__ = ["CALIBRATION_BATCHES", "add_arguments", "register", "run"]
 
-CALIBRATION_BATCHES = [1, 4, 16]
+CALIBRATION_BATCHES = [1, 4, 8, 16, 24, 32, 48]
 """Batch sizes of the calibration sweep run here, then the engine's ``max_num_seqs``: the
 knee and the overload run batches up to it, where a fit on small batches extrapolates."""
 

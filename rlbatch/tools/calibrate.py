@@ -69,7 +69,7 @@ __all__ = [
     "run_sweep",
 ]
 
-DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32)
+DEFAULT_BATCHES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 DEFAULT_PROMPT_LENS = (16, 128, 512, 1024)
 DEFAULT_OUTPUT_LENS = (16, 96)
 
