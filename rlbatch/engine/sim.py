@@ -259,7 +259,7 @@ class SimEngine(SimScheduler):
             kv_cache_usage=used / self.num_kv_blocks,
             kv_cache_usage_peak=self._peak_used_blocks / self.num_kv_blocks,
             committed_tokens=self.committed_tokens(),
-            kv_capacity_tokens=self.num_kv_blocks * self._block_size,
+            kv_capacity_tokens=self.kv_capacity_tokens,
             num_kv_blocks=self.num_kv_blocks,
             # vLLM pre-allocates its whole budget (weights, activations, KV pool) at start-up.
             gpu_memory_used_bytes=int(self.gpu_memory_total_bytes

@@ -482,9 +482,7 @@ class DeadlineTracker:
         while in_order and now_s - in_order[0][0] > ttft:
             entry = opened.get(in_order.popleft()[1])
             if entry is not None and entry[2] == _PENDING:
-                entry[2] = _DOOMED  # self._doom(entry, doomed), inline (once per request)
-                doomed[entry[0]] += 1
-                self.doomed_open[entry[0]] += 1
+                self._doom(entry, doomed)
         heap = self._heap
         while heap and now_s - heap[0][0] > ttft:
             _, rid = heapq.heappop(heap)
