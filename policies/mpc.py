@@ -89,9 +89,11 @@ class MpcConfig:
         candidate misses the same queued requests, and then lets the backlog grow for
         minutes: measured on Azure 0.75).
     :param sticky: among ties keep the incumbent (default: the largest total).
-    :param routing: with several pools, also try routes around the best candidate: every
-        bucket to the least-loaded engine of any pool, and short / long buckets split
-        between the pools (:func:`splits`).
+    :param routing: with several pools, also try routes around the best candidate: short /
+        long buckets split between the pools (:func:`splits`). Off by default: every bucket
+        goes to the least-loaded engine of any pool. On two pools the splits win their 60 s
+        rollouts and lose the run (they starved the 1k-2k bucket on held-back Azure:
+        BENCHMARKS.md, issue 14, stop 11).
     :param fp8_cost: quality cost of a request served from the FP8 pool, in requests (the
         reward's ``w_fp8``, the guide's <= 1.5%).
     :param guarded: behind the guard (default); ``False`` applies the chosen candidate as
@@ -116,7 +118,7 @@ class MpcConfig:
     sticky: bool = False
     weigh_misses: bool = False
     no_shrink_when_late: bool = True
-    routing: bool = True
+    routing: bool = False
     fp8_cost: float = 0.015
 
     def __post_init__(self) -> None:

@@ -141,7 +141,8 @@ def test_candidates_cover_small_totals_and_are_codec_actions() -> None:
     assert trims(4, 3) == [(3, 3, 2, 1), (3, 2, 1, 0), (3, 3, 3, 0)]
 
 
-def test_two_pools_try_the_balanced_route_and_short_long_splits() -> None:
+@pytest.mark.parametrize("routing", [False, True])
+def test_two_pools_try_short_long_splits_only_when_asked(routing: bool) -> None:
     assert splits(("fp16", "fp8", ANY_POOL), 3) == [(0, 1, 1), (0, 0, 1), (1, 0, 0), (1, 1, 0)]
     assert splits(("fp16",), 3) == []
     engines: list[Engine] = [sim_engine(0, "fp16"), sim_engine(1, "fp8")]
@@ -149,7 +150,7 @@ def test_two_pools_try_the_balanced_route_and_short_long_splits() -> None:
         engines, buckets=BUCKETS, admission=AdmissionConfig(), gpu="test", model="test",
         max_model_len=512, block_size=16, default_max_num_seqs=8,
         max_num_batched_tokens=256, tick_s=0.5)
-    c = MpcController(MpcConfig(horizon_s=4.0, every_s=2.0, window_s=2.0))
+    c = MpcController(MpcConfig(horizon_s=4.0, every_s=2.0, window_s=2.0, routing=routing))
     c.bind(DeploymentTwin(d))
     first = c.reset(d.info)
     assert first.pools == (ANY_POOL,) * 3  # the incumbent: least loaded
@@ -157,8 +158,11 @@ def test_two_pools_try_the_balanced_route_and_short_long_splits() -> None:
     for _ in range(4):
         loop.apply(c.decide(loop.tick()))
     routes = {k[2] for k in c.last_scores}
-    assert routes == {(2, 2, 2), *splits(("fp16", "fp8", ANY_POOL), 3)}
+    tried = {(2, 2, 2), *splits(("fp16", "fp8", ANY_POOL), 3)} if routing else {(2, 2, 2)}
+    assert routes == tried
     assert sum(c.route_choices.values()) == 4 and c.row_extras()["mpc_routes_chosen"]
+    if not routing:
+        assert c.route_choices == {f"{ANY_POOL}/{ANY_POOL}/{ANY_POOL}": 4}
 
 
 def test_rollout_score_charges_the_fp8_quality_cost() -> None:
