@@ -89,9 +89,10 @@ class MpcConfig:
         candidate misses the same queued requests, and then lets the backlog grow for
         minutes: measured on Azure 0.75).
     :param sticky: among ties keep the incumbent (default: the largest total).
-    :param routing: with several pools, also try routes around the best candidate: short /
-        long buckets split between the pools (:func:`splits`). Off by default: every bucket
-        goes to the least-loaded engine of any pool. On two pools the splits win their 60 s
+    :param routing: with several pools, also try routes around the best candidate: every
+        bucket to the least-loaded engine of any pool, and short / long buckets split between
+        the pools (:func:`splits`). Off by default: every bucket keeps the route it starts
+        with, the least-loaded engine of any pool. On two pools the splits win their 60 s
         rollouts and lose the run (they starved the 1k-2k bucket on held-back Azure:
         BENCHMARKS.md, issue 14, stop 11).
     :param fp8_cost: quality cost of a request served from the FP8 pool, in requests (the
