@@ -30,6 +30,7 @@ from policies.recipe import RecipeConfig, parse_deployment, run_recipe
 from policies.training import TrainConfig, train
 from rlbatch.commands.argtypes import checked
 from rlbatch.commands.options import add_gpu_model_options, add_pools_option
+from rlbatch.control.observation import OBS_VERSIONS
 from rlbatch.engine.config import format_pools
 from rlbatch.paths import resolve_trace_ref
 from rlbatch.scale.cluster import add_ray_option
@@ -104,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--decision-ticks", type=int, default=r.decision_ticks,
                    help="ticks between two student decisions")
     g.add_argument("--epochs", type=int, default=r.epochs, help="behaviour-cloning epochs")
+    g.add_argument("--obs-version", type=int, choices=OBS_VERSIONS, default=r.obs_version,
+                   help="the student's observation version (4: version 3 without the "
+                        "action in force, so that the student cannot copy its last action)")
     g.add_argument("--train-deployments", type=checked(_deployment_list),
                    default=",".join(r.deployments) or "none", metavar="GPU/MODEL,...",
                    help="further GPU/model profiles to train over besides --gpu/--model "
@@ -148,7 +152,7 @@ def _recipe_config(args: argparse.Namespace, traces: tuple[str, ...],
                         episodes=args.episodes, episode_s=args.recipe_episode_s,
                         dagger_rounds=args.dagger_rounds, dagger_episodes=args.dagger_episodes,
                         decision_ticks=args.decision_ticks, epochs=args.epochs,
-                        finetune_steps=args.finetune_steps,
+                        obs_version=args.obs_version, finetune_steps=args.finetune_steps,
                         deployments=args.train_deployments,
                         rate_multiplier=_rate_multiplier(args), **extra)
 

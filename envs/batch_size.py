@@ -66,7 +66,8 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     requests), queue length and throughput stated relative to the deployment's reference
     capacity (:mod:`rlbatch.profiles.capacity`) instead of absolute, plus two more: the
     capacity (log1p(requests/s) / log1p(100)) and the reference requests one engine's KV pool
-    holds / 256.
+    holds / 256. ``obs_version=4`` is version 3 without the action in force (per bucket cap
+    and pool, and the total cap: ``2 B + 1`` fewer), which a cloned student would copy.
 
     | index | feature | unit / normalisation |
     |---|---|---|
@@ -136,8 +137,8 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     * ``max_model_len``: longest prompt + output accepted (default: the model's).
     * ``action_kind``: ``per_bucket`` (caps per bucket) or ``total_share`` (a total cap and
       per-bucket shares; the guard's ladder is then the total ladder, up to 256).
-    * ``obs_version``: 1 (snapshot features), 2 (plus trends) or 3 (version 2 in units of
-      the deployment's capacity).
+    * ``obs_version``: 1 (snapshot features), 2 (plus trends), 3 (version 2 in units of
+      the deployment's capacity) or 4 (version 3 without the action in force).
     * ``decision_ticks``: ticks one action is held for.
 
     ## Version history

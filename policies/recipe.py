@@ -42,7 +42,7 @@ from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, TotalShareC
 from rlbatch.control.controllers import make_controller
 from rlbatch.control.guard import GuardConfig
 from rlbatch.control.guard_record import guard_record
-from rlbatch.control.observation import feature_names, observation_size
+from rlbatch.control.observation import OBS_VERSIONS, feature_names, observation_size
 from rlbatch.engine.config import parse_pools
 from rlbatch.paths import default_training_traces
 from rlbatch.profiles.specs import load_gpu, load_model
@@ -123,6 +123,9 @@ class RecipeConfig:
             raise ValueError(f"need episodes >= 1, dagger_rounds >= 0, decision_ticks >= 1; "
                              f"got {self.episodes}, {self.dagger_rounds}, "
                              f"{self.decision_ticks}")
+        if self.obs_version not in OBS_VERSIONS:
+            raise ValueError(f"obs_version must be one of {OBS_VERSIONS}, got "
+                             f"{self.obs_version}")
         if self.finetune_steps < 0:
             raise ValueError(f"finetune_steps must be >= 0, got {self.finetune_steps}")
         if not self.rate_multiplier > 0:

@@ -138,3 +138,36 @@ def test_v3_needs_the_capacity() -> None:
     with pytest.raises(ValueError, match="capacity"):
         ObservationBuilder(_info_v3(0.0), max_cap=64, version=3)
     ObservationBuilder(_info_v3(0.0), max_cap=64, version=2)  # earlier versions do not
+
+
+def _v3_and_v4(stats_seq: list[DeploymentStats]) -> tuple[np.ndarray, np.ndarray]:
+    v3, v4 = (ObservationBuilder(_info_v3(2.0), max_cap=64, version=v) for v in (3, 4))
+    rows3, rows4 = [v3.initial()], [v4.initial()]
+    for stats in stats_seq:
+        rows3.append(v3.build(stats, (0.0, 1.0, 0.0, 0.0, 1.0)))
+        rows4.append(v4.build(stats, (0.0, 1.0, 0.0, 0.0, 1.0)))
+    return np.array(rows3), np.array(rows4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(stats_seq=st.lists(random_deployment_stats(), min_size=1, max_size=4))
+def test_v4_is_v3_without_the_action_in_force(stats_seq: list[DeploymentStats]) -> None:
+    names3, names4 = feature_names(BUCKETS.names, 3), feature_names(BUCKETS.names, 4)
+    assert len(names4) == observation_size(len(BUCKETS), 4) == len(names3) - 2 * len(BUCKETS) - 1
+    assert not [n for n in names4 if n.endswith(("/cap", "/pool", "total_cap"))]
+    rows3, rows4 = _v3_and_v4(stats_seq)
+    keep = [names3.index(n) for n in names4]
+    np.testing.assert_array_equal(rows4, rows3[:, keep])
+
+
+def test_v4_does_not_see_the_action_in_force() -> None:
+    def stats(caps: tuple[int | None, ...], pools: tuple[str, ...]) -> DeploymentStats:
+        return deployment_stats((engine_stats(0, "fp16", running=(2, 1, 0), kv=0.5,
+                                              decode=100),),
+                                queued=(3, 1, 0), arrived=(4, 2, 1), caps=caps, pools=pools)
+
+    small, large = stats((4, 4, 4), ("fp16",) * 3), stats((64, None, 32), ("fp16",) * 3)
+    rows3 = [_v3_and_v4([s])[0][-1] for s in (small, large)]
+    rows4 = [_v3_and_v4([s])[1][-1] for s in (small, large)]
+    assert not np.array_equal(*rows3)  # version 3 reads the caps...
+    np.testing.assert_array_equal(*rows4)  # ...version 4 does not

@@ -4,6 +4,7 @@ evaluation protocol's judging rules."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -102,8 +103,9 @@ def test_behaviour_cloning_fits_a_consistent_teacher(tmp_path: Path) -> None:
     assert before < 0.1 and action_accuracy(policy, demos) >= 0.95
 
 
-def test_student_artifact_serves_like_the_network(tmp_path: Path) -> None:
-    cfg = _tiny_cfg(tmp_path)
+@pytest.mark.parametrize("obs_version", [3, 4])
+def test_student_artifact_serves_like_the_network(tmp_path: Path, obs_version: int) -> None:
+    cfg = replace(_tiny_cfg(tmp_path), obs_version=obs_version)
     one_pool = TotalShareCodec(TOTAL_LADDER, SHARE_LADDER, ("fp16",), 4)
     policy = build_student(cfg, one_pool, observation_size(4, cfg.obs_version))
     meta = export_student(policy, cfg, one_pool, tmp_path / "student")
@@ -123,6 +125,13 @@ def test_student_artifact_serves_like_the_network(tmp_path: Path) -> None:
     # the recipe records the guard the student acted behind; serving rebuilds it, silently
     assert artifact.metadata["guard"]["ladder"] == list(TOTAL_LADDER)
     assert controller.guard_warnings == []
+    assert artifact.metadata["obs_version"] == obs_version
+    assert len(artifact.metadata["feature_names"]) == observation_size(4, obs_version)
+
+
+def test_recipe_refuses_an_unknown_observation_version() -> None:
+    with pytest.raises(ValueError, match="obs_version must be one of"):
+        RecipeConfig(obs_version=5)
 
 
 def _row(controller: str, trace: str, rate: float, goodput: float, sla: float,

@@ -59,18 +59,26 @@ CAPACITY_GLOBAL_FEATURES: tuple[str, ...] = (
     "capacity",          # log1p(reference capacity, requests per s) / log1p(100)
     "kv_reference_seqs",  # reference requests one engine's KV pool holds / TOTAL_NORM
 )
-OBS_VERSIONS: tuple[int, ...] = (1, 2, 3)
+OBS_VERSIONS: tuple[int, ...] = (1, 2, 3, 4)
 """1: the snapshot features; 2: plus trends (smoothed rates, queue growth, totals), which
 need state across ticks; 3: version 2's features with every rate, queue and throughput in
 units of the deployment's reference capacity (:mod:`rlbatch.profiles.capacity`) instead of
 absolute, plus the capacity itself, so that one policy reads load the same way on every
-GPU and model."""
+GPU and model; 4: version 3 without the action in force (:data:`ACTION_FEATURES`)."""
+ACTION_FEATURES: tuple[str, ...] = ("cap", "pool", "total_cap")
+"""Features that restate the action in force (per bucket ``cap`` and ``pool``, and the
+``total_cap``), which version 4 leaves out. A student cloned from a teacher whose actions
+persist for many ticks learns to copy the action in force, which predicts the next label
+best almost everywhere and worst where it matters: where the teacher changes its mind, so
+the student follows it late (the copycat problem of behaviour cloning from histories)."""
 TOTAL_NORM = 256.0
 TREND_TAU_S = 30.0
 """Time constant of the smoothed rates: about the latency window."""
 
 
 def observation_size(num_buckets: int, version: int = 1) -> int:
+    if version >= 4:
+        return observation_size(num_buckets, 3) - 2 * num_buckets - 1
     size = num_buckets * len(PER_BUCKET_FEATURES) + len(GLOBAL_FEATURES)
     if version >= 2:
         size += num_buckets * len(TREND_PER_BUCKET_FEATURES) + len(TREND_GLOBAL_FEATURES)
@@ -81,6 +89,9 @@ def observation_size(num_buckets: int, version: int = 1) -> int:
 
 def feature_names(bucket_names: tuple[str, ...], version: int = 1) -> list[str]:
     """Name of every observation index, in order."""
+    if version >= 4:
+        return [n for n in feature_names(bucket_names, 3)
+                if n.rpartition("/")[2] not in ACTION_FEATURES]
     names = [f"{b}/{f}" for b in bucket_names for f in PER_BUCKET_FEATURES]
     names += list(GLOBAL_FEATURES)
     if version >= 2:
@@ -111,6 +122,7 @@ class ObservationBuilder:
                                            compare=False)
     _capacity: list[float] = field(default_factory=list, init=False, repr=False,
                                    compare=False)
+    _keep: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.version not in OBS_VERSIONS:
@@ -128,6 +140,10 @@ class ObservationBuilder:
             self._capacity = [
                 min(math.log1p(self.info.capacity_rps) / math.log1p(100.0), CLIP),
                 min(seqs / TOTAL_NORM, CLIP)]
+        if self.version >= 4:  # built in version 3's layout, then the action dropped
+            names = feature_names(self.info.buckets.names, 3)
+            self._keep = np.array([i for i, n in enumerate(names)
+                                   if n.rpartition("/")[2] not in ACTION_FEATURES])
         self.reset()
 
     @property
@@ -143,7 +159,8 @@ class ObservationBuilder:
 
     def initial(self) -> np.ndarray:
         """Observation before the first tick: idle deployment, nothing measured."""
-        obs = np.zeros(self.size, dtype=np.float32)
+        obs = np.zeros(observation_size(len(self.info.buckets), min(self.version, 3)),
+                       dtype=np.float32)
         g = len(self.info.buckets) * len(PER_BUCKET_FEATURES)
         obs[g + GLOBAL_FEATURES.index("batch_efficiency")] = 1.0
         obs[g + GLOBAL_FEATURES.index("sla_attainment")] = 1.0
@@ -154,7 +171,7 @@ class ObservationBuilder:
             obs[t0 + TREND_GLOBAL_FEATURES.index("total_cap")] = min(total / TOTAL_NORM, CLIP)
         if self.version >= 3:
             obs[-len(CAPACITY_GLOBAL_FEATURES):] = self._capacity
-        return obs
+        return obs if self._keep is None else obs[self._keep]
 
     def _rate(self, per_s: float) -> float:
         """A rate as a feature: absolute (log-scaled) before version 3, else a fraction of the
@@ -214,7 +231,8 @@ class ObservationBuilder:
         memory = raw[g:g + 3]
         memory[np.isnan(memory)] = 1.0
         np.nan_to_num(raw, copy=False, nan=0.0, posinf=CLIP, neginf=0.0)
-        return np.clip(raw, 0.0, CLIP).astype(np.float32)
+        obs = np.clip(raw, 0.0, CLIP).astype(np.float32)
+        return obs if self._keep is None else obs[self._keep]
 
     def _trends(self, stats: DeploymentStats, tick: float) -> list[float]:
         tr = self._trend
