@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="further GPU/model profiles to train over besides --gpu/--model "
                         "(same pools), each workload served on one drawn uniformly at its "
                         "measured rate multiplier; 'none': only --gpu/--model")
+    g.add_argument("--selection-knee", action="store_true",
+                   help="select the checkpoint on validation windows at the rate scales where "
+                        "the training traffic is contested on --gpu/--model/--pools (scanned "
+                        "first) instead of the fixed selection rates")
     g.add_argument("--finetune-steps", type=int, default=r.finetune_steps,
                    help="PPO fine-tuning decisions after DAgger (0: none); the fine-tuned "
                         "student is one more checkpoint for selection")
@@ -152,7 +156,8 @@ def _recipe_config(args: argparse.Namespace, traces: tuple[str, ...],
                         episodes=args.episodes, episode_s=args.recipe_episode_s,
                         dagger_rounds=args.dagger_rounds, dagger_episodes=args.dagger_episodes,
                         decision_ticks=args.decision_ticks, epochs=args.epochs,
-                        obs_version=args.obs_version, finetune_steps=args.finetune_steps,
+                        obs_version=args.obs_version, selection_knee=args.selection_knee,
+                        finetune_steps=args.finetune_steps,
                         deployments=args.train_deployments,
                         rate_multiplier=_rate_multiplier(args), **extra)
 

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from policies.artifact import load_artifact, save_artifact
+from policies.compare import CONTESTED
 from policies.distill import Demonstrations, LabellingController, collect, fit_policy
 from policies.finetune import FinetuneConfig, finetune_many, recipe_env_kwargs
 from policies.ppo import PpoController
@@ -80,7 +81,12 @@ class RecipeConfig:
     :param epochs: behaviour-cloning passes per fit.
     :param learning_rate: behaviour-cloning step size.
     :param finetune_steps: PPO fine-tuning decisions after DAgger (0: no fine-tuning).
-    :param selection_rates: rate scales of the full-length validation windows.
+    :param selection_rates: rate scales of the full-length validation windows (times
+        ``rate_multiplier``); unused with ``selection_knee``.
+    :param selection_knee: choose the first deployment's validation rate scales where its
+        training windows are contested instead (:func:`knee_selection_rates`: the best
+        selection static meets the SLA for 20-95% of requests, the regime the must-checks
+        judge); further deployments keep the middle of ``selection_rates``.
     :param rate_multiplier: multiplies every trace rate scale and generated load (a
         deployment with more capacity than one A100 serving llama-2-7b needs more load to
         reach its knee; :data:`policies.protocol.RATE_MULTIPLIERS`).
@@ -113,6 +119,7 @@ class RecipeConfig:
     learning_rate: float = 3e-3
     finetune_steps: int = 8192
     selection_rates: tuple[float, ...] = (0.6, 0.7, 0.8)
+    selection_knee: bool = False
     rate_multiplier: float = 1.0
     deployments: tuple[str, ...] = ("h100-80g/llama-2-7b", "a100-80g/llama-3.1-8b")
     out: str = "runs/recipe"
@@ -247,17 +254,61 @@ def sample_episodes(cfg: RecipeConfig, rng: np.random.Generator, n: int,
     return out
 
 
-def validation_workloads(cfg: RecipeConfig) -> list[tuple[str, int, Workload]]:
+KNEE_SCAN: tuple[float, ...] = tuple(round(0.5 + 0.05 * i, 2) for i in range(15))
+"""Rate scales (times the deployment's multiplier) scanned for the contested ones."""
+
+
+def knee_selection_rates(cfg: RecipeConfig, trace: str, count: int = 3,
+                         scan: Sequence[float] = KNEE_SCAN
+                         ) -> tuple[list[float], dict[float, list[dict[str, Any]]]]:
+    """The rate scales (``scan`` times the first deployment's multiplier, in order) at which
+    ``trace``'s training window is contested on the first deployment: its best selection
+    static meets the SLA for 20-95% of the requests. The scan stops at the first collapsed
+    scale after a contested one; ``count`` of the contested scales are kept, evenly spread
+    from the lightest to the busiest. Only the training window is read.
+
+    :returns: the kept scales and, for each, the selection statics' rows (reused by
+        selection).
+    :raises ValueError: no scanned scale is contested.
+    """
+    spec, multiplier, window = cfg.spec(), cfg.multiplier(), training_window(trace)
+    contested: dict[float, list[dict[str, Any]]] = {}
+    for s in scan:
+        rate = s * multiplier
+        w = load_trace(trace, rate_scale=rate, window_s=window)
+        rows = [run(w, make_controller(c), spec).row for c in SELECTION_STATICS]
+        best_sla = float(max(rows, key=lambda r: float(r["goodput_rps"]))["sla_attainment"]
+                         or 0.0)
+        if CONTESTED[0] <= best_sla <= CONTESTED[1]:
+            contested[rate] = rows
+        elif best_sla < CONTESTED[0] and contested:
+            break
+    if not contested:
+        raise ValueError(f"no scanned rate scale ({scan[0]:g}-{scan[-1]:g} x "
+                         f"{multiplier:g}) makes the training window of {trace} contested "
+                         f"on {cfg.gpu}/{cfg.model} ({cfg.pools}): give --rate-multiplier")
+    rates = sorted(contested)
+    picks = sorted({rates[round(i * (len(rates) - 1) / max(count - 1, 1))]
+                    for i in range(min(count, len(rates)))})
+    return picks, {r: contested[r] for r in picks}
+
+
+def validation_workloads(cfg: RecipeConfig,
+                         knee: dict[str, Sequence[float]] | None = None
+                         ) -> list[tuple[str, int, Workload]]:
     """Full-length windows of the training traffic: the whole training window of each trace
-    at each selection rate on the first deployment, at the middle selection rate on each
-    further one. Items: ``(name, deployment index, workload)``."""
+    at each selection rate on the first deployment (``knee``: the given absolute rate scales
+    per trace instead), at the middle selection rate on each further one. Items: ``(name,
+    deployment index, workload)``."""
     out = []
     middle = sorted(cfg.selection_rates)[len(cfg.selection_rates) // 2]
     for d, (gpu, model) in enumerate(cfg.train_deployments()):
         rates = cfg.selection_rates if d == 0 else (middle,)
         for t in cfg.traces:
             window = training_window(t)
-            for rate in (r * cfg.multiplier(d) for r in rates):
+            scaled = ([r * cfg.multiplier(d) for r in rates] if knee is None or d > 0
+                      else list(knee[t]))
+            for rate in scaled:
                 w = load_trace(t, rate_scale=rate, window_s=window)
                 name = f"{w.name}@{rate:g}" + ("" if d == 0 else f" on {gpu}/{model}")
                 out.append((name, d, w))
@@ -324,6 +375,8 @@ class Recipe:
         self.traces = [load_trace(t) for t in cfg.traces]
         self.demos: list[Demonstrations] = []
         self.history: list[dict[str, Any]] = []
+        self.knee: dict[str, Sequence[float]] | None = None
+        """The validation rate scales the knee scan chose per trace (``selection_knee``)."""
 
     def labeller(self, actor: Any = None) -> LabellingController:
         return make_labeller(self.cfg, self.codec, actor)
@@ -412,9 +465,22 @@ class Recipe:
     def select(self, candidates: Sequence[Path]) -> tuple[Path, list[float]]:
         """Phase 4: score every checkpoint on full-length validation windows against the
         best static of each window; the best wins (ties: the later one)."""
-        validation = validation_workloads(self.cfg)
-        statics = {name: [run(w, make_controller(s), self.specs[d]).row
-                          for s in SELECTION_STATICS]
+        knee: dict[str, Sequence[float]] | None = None
+        known: list[list[dict[str, Any]]] = []  # the knee scan's rows, in validation order
+        if self.cfg.selection_knee:
+            knee = {}
+            for t in self.cfg.traces:
+                rates, rows = knee_selection_rates(self.cfg, t)
+                knee[t] = rates
+                for rate in rates:
+                    self.log("select/knee_rate", rate, len(known))
+                    known.append(rows[rate])
+        self.knee = knee
+        validation = validation_workloads(self.cfg, knee)
+        scanned = iter(known)
+        statics = {name: (next(scanned) if knee is not None and d == 0 else
+                          [run(w, make_controller(s), self.specs[d]).row
+                           for s in SELECTION_STATICS])
                    for name, d, w in validation}
         scores = []
         for i, path in enumerate(candidates):
@@ -469,6 +535,7 @@ def run_recipe(cfg: RecipeConfig, log: Callable[[str, float, int], None] | None 
                                                      "train_wall_s": wall})
     summary = {"best": str(final), "checkpoints": [str(c) for c in checkpoints],
                "selection_scores": scores, "wall_s": wall,
+               "selection_knee_rates": recipe.knee,
                "teacher_goodput_rps": [r["goodput_rps"] for r in teacher_rows],
                "decisions": sum(len(d) for d in recipe.demos), "config": asdict(cfg)}
     (out / "recipe.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
