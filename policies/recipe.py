@@ -33,11 +33,13 @@ from typing import Any
 import numpy as np
 
 from policies.artifact import load_artifact, save_artifact
-from policies.compare import CONTESTED
 from policies.distill import Demonstrations, LabellingController, collect, fit_policy
 from policies.finetune import FinetuneConfig, finetune_many, recipe_env_kwargs
 from policies.ppo import PpoController
 from policies.protocol import rate_multiplier_for, training_window
+from policies.selection import (
+    validation_statics,
+)
 from policies.training import eval_score, export_actor
 from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, TotalShareCodec
 from rlbatch.control.controllers import make_controller
@@ -53,8 +55,6 @@ from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.serving.run import run
 from rlbatch.workload import Workload, load_trace
 from rlbatch.workload.scenarios import make_scenario, slice_trace
-
-SELECTION_STATICS: tuple[str, ...] = tuple(f"static:{n}" for n in (16, 32, 64, 128, 256))
 
 
 @dataclass
@@ -84,9 +84,10 @@ class RecipeConfig:
     :param selection_rates: rate scales of the full-length validation windows (times
         ``rate_multiplier``); unused with ``selection_knee``.
     :param selection_knee: choose the first deployment's validation rate scales where its
-        training windows are contested instead (:func:`knee_selection_rates`: the best
-        selection static meets the SLA for 20-95% of requests, the regime the must-checks
-        judge); further deployments keep the middle of ``selection_rates``.
+        training windows are contested instead (the best selection static meets the SLA for
+        20-95% of requests, the regime the must-checks judge:
+        :func:`policies.selection.knee_selection_rates`); further deployments keep the
+        middle of ``selection_rates``.
     :param rate_multiplier: multiplies every trace rate scale and generated load (a
         deployment with more capacity than one A100 serving llama-2-7b needs more load to
         reach its knee; :data:`policies.protocol.RATE_MULTIPLIERS`).
@@ -254,67 +255,6 @@ def sample_episodes(cfg: RecipeConfig, rng: np.random.Generator, n: int,
     return out
 
 
-KNEE_SCAN: tuple[float, ...] = tuple(round(0.5 + 0.05 * i, 2) for i in range(15))
-"""Rate scales (times the deployment's multiplier) scanned for the contested ones."""
-
-
-def knee_selection_rates(cfg: RecipeConfig, trace: str, count: int = 3,
-                         scan: Sequence[float] = KNEE_SCAN
-                         ) -> tuple[list[float], dict[float, list[dict[str, Any]]]]:
-    """The rate scales (``scan`` times the first deployment's multiplier, in order) at which
-    ``trace``'s training window is contested on the first deployment: its best selection
-    static meets the SLA for 20-95% of the requests. The scan stops at the first collapsed
-    scale after a contested one; ``count`` of the contested scales are kept, evenly spread
-    from the lightest to the busiest. Only the training window is read.
-
-    :returns: the kept scales and, for each, the selection statics' rows (reused by
-        selection).
-    :raises ValueError: no scanned scale is contested.
-    """
-    spec, multiplier, window = cfg.spec(), cfg.multiplier(), training_window(trace)
-    contested: dict[float, list[dict[str, Any]]] = {}
-    for s in scan:
-        rate = s * multiplier
-        w = load_trace(trace, rate_scale=rate, window_s=window)
-        rows = [run(w, make_controller(c), spec).row for c in SELECTION_STATICS]
-        best_sla = float(max(rows, key=lambda r: float(r["goodput_rps"]))["sla_attainment"]
-                         or 0.0)
-        if CONTESTED[0] <= best_sla <= CONTESTED[1]:
-            contested[rate] = rows
-        elif best_sla < CONTESTED[0] and contested:
-            break
-    if not contested:
-        raise ValueError(f"no scanned rate scale ({scan[0]:g}-{scan[-1]:g} x "
-                         f"{multiplier:g}) makes the training window of {trace} contested "
-                         f"on {cfg.gpu}/{cfg.model} ({cfg.pools}): give --rate-multiplier")
-    rates = sorted(contested)
-    picks = sorted({rates[round(i * (len(rates) - 1) / max(count - 1, 1))]
-                    for i in range(min(count, len(rates)))})
-    return picks, {r: contested[r] for r in picks}
-
-
-def validation_workloads(cfg: RecipeConfig,
-                         knee: dict[str, Sequence[float]] | None = None
-                         ) -> list[tuple[str, int, Workload]]:
-    """Full-length windows of the training traffic: the whole training window of each trace
-    at each selection rate on the first deployment (``knee``: the given absolute rate scales
-    per trace instead), at the middle selection rate on each further one. Items: ``(name,
-    deployment index, workload)``."""
-    out = []
-    middle = sorted(cfg.selection_rates)[len(cfg.selection_rates) // 2]
-    for d, (gpu, model) in enumerate(cfg.train_deployments()):
-        rates = cfg.selection_rates if d == 0 else (middle,)
-        for t in cfg.traces:
-            window = training_window(t)
-            scaled = ([r * cfg.multiplier(d) for r in rates] if knee is None or d > 0
-                      else list(knee[t]))
-            for rate in scaled:
-                w = load_trace(t, rate_scale=rate, window_s=window)
-                name = f"{w.name}@{rate:g}" + ("" if d == 0 else f" on {gpu}/{model}")
-                out.append((name, d, w))
-    return out
-
-
 def build_student(cfg: RecipeConfig, codec: TotalShareCodec, obs_size: int) -> Any:
     """A fresh SB3 actor-critic network for the student's spaces."""
     import torch
@@ -465,23 +405,7 @@ class Recipe:
     def select(self, candidates: Sequence[Path]) -> tuple[Path, list[float]]:
         """Phase 4: score every checkpoint on full-length validation windows against the
         best static of each window; the best wins (ties: the later one)."""
-        knee: dict[str, Sequence[float]] | None = None
-        known: list[list[dict[str, Any]]] = []  # the knee scan's rows, in validation order
-        if self.cfg.selection_knee:
-            knee = {}
-            for t in self.cfg.traces:
-                rates, rows = knee_selection_rates(self.cfg, t)
-                knee[t] = rates
-                for rate in rates:
-                    self.log("select/knee_rate", rate, len(known))
-                    known.append(rows[rate])
-        self.knee = knee
-        validation = validation_workloads(self.cfg, knee)
-        scanned = iter(known)
-        statics = {name: (next(scanned) if knee is not None and d == 0 else
-                          [run(w, make_controller(s), self.specs[d]).row
-                           for s in SELECTION_STATICS])
-                   for name, d, w in validation}
+        validation, statics, self.knee = validation_statics(self.cfg, self.specs, self.log)
         scores = []
         for i, path in enumerate(candidates):
             per = [eval_score(run(w, make_controller(f"ppo:{path}"), self.specs[d]).row,

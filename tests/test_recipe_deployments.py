@@ -10,8 +10,8 @@ from policies.recipe import (
     parse_deployment,
     sample_episodes,
     sample_workloads,
-    validation_workloads,
 )
+from policies.selection import validation_workloads
 from rlbatch.workload import Workload, load_trace
 
 OTHERS = ("h100-80g/llama-2-7b", "a100-80g/llama-3.1-8b")

@@ -7,12 +7,8 @@ from pathlib import Path
 import pytest
 
 from policies.compare import CONTESTED
-from policies.recipe import (
-    SELECTION_STATICS,
-    RecipeConfig,
-    knee_selection_rates,
-    validation_workloads,
-)
+from policies.recipe import RecipeConfig
+from policies.selection import SELECTION_STATICS, knee_selection_rates, validation_workloads
 from rlbatch.control.controllers import make_controller
 from rlbatch.serving.run import run
 
