@@ -15,7 +15,7 @@ from rlbatch.serving.run import run
 from rlbatch.workload import Workload, load_trace
 
 
-class RecipeConfig(Protocol):
+class SelectionConfig(Protocol):
     """What selection reads of :class:`policies.recipe.RecipeConfig`."""
 
     traces: tuple[str, ...]
@@ -39,7 +39,7 @@ KNEE_SCAN: tuple[float, ...] = tuple(round(0.5 + 0.05 * i, 2) for i in range(15)
 """Rate scales (times the deployment's multiplier) scanned for the contested ones."""
 
 
-def knee_selection_rates(cfg: RecipeConfig, trace: str, count: int = 3,
+def knee_selection_rates(cfg: SelectionConfig, trace: str, count: int = 3,
                          scan: Sequence[float] = KNEE_SCAN
                          ) -> tuple[list[float], dict[float, list[dict[str, Any]]]]:
     """The rate scales (``scan`` times the first deployment's multiplier, in order) at which
@@ -74,7 +74,7 @@ def knee_selection_rates(cfg: RecipeConfig, trace: str, count: int = 3,
     return picks, {r: contested[r] for r in picks}
 
 
-def validation_workloads(cfg: RecipeConfig,
+def validation_workloads(cfg: SelectionConfig,
                          knee: dict[str, Sequence[float]] | None = None
                          ) -> list[tuple[str, int, Workload]]:
     """Full-length windows of the training traffic: the whole training window of each trace
@@ -96,7 +96,7 @@ def validation_workloads(cfg: RecipeConfig,
     return out
 
 
-def validation_statics(cfg: RecipeConfig, specs: Sequence[DeploymentSpec],
+def validation_statics(cfg: SelectionConfig, specs: Sequence[DeploymentSpec],
                        log: Callable[[str, float, int], None] | None = None
                        ) -> tuple[list[tuple[str, int, Workload]],
                                   dict[str, list[dict[str, Any]]],
