@@ -59,11 +59,10 @@ def main() -> None:
     p.set_defaults(over_length="truncate")
     args = p.parse_args()
     spec = deployment_spec_from_args(args)
-    runs = protocol.unseen_runs(protocol.rate_multiplier_for(spec.gpu, spec.model, spec.pools))
-    matches = [r for r in runs if protocol.run_label(r).startswith(args.run)]
-    if not matches:
-        p.error(f"no protocol run starts with {args.run!r}: "
-                f"{', '.join(protocol.run_label(r) for r in runs)}")
+    try:
+        run_set = protocol.unseen_run(args.run, spec.gpu, spec.model, spec.pools)
+    except ValueError as e:
+        p.error(str(e))
     artifact = load_artifact(Path(args.artifact))
     meta = artifact.metadata
     if meta.get("action_kind") != "total_share":
@@ -72,8 +71,8 @@ def main() -> None:
     # the pool in force is left alone: the edits are about the total
     edited = [i for i, n in enumerate(names) if n.rpartition("/")[2] in ("cap", "total_cap")]
     student = _Recording(artifact, name="student")
-    job = EvalJob(f"ppo:{args.artifact}", matches[0].trace, args.rate, spec,
-                  matches[0].window, None, 0, 600.0, None)
+    job = EvalJob(f"ppo:{args.artifact}", run_set.trace, args.rate, spec,
+                  run_set.window, None, 0, 600.0, None)
     run(load_job_workload(job), student, spec, rate_scale=args.rate)
     obs = np.array(student.observations, dtype=np.float32)
     totals = [int(t) for t in meta["totals"]]

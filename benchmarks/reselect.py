@@ -27,7 +27,6 @@ def config_of(run_dir: Path, **changes: Any) -> RecipeConfig:
     known = {f.name for f in fields(RecipeConfig)}
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in recorded.items()
               if k in known}
-    values["knee_rates"] = tuple(values["knee_rates"])
     return RecipeConfig(**{**values, **changes})
 
 

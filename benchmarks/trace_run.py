@@ -46,12 +46,10 @@ def main() -> None:
     if args.every < 1:
         p.error(f"--every must be >= 1, got {args.every}")
     spec = deployment_spec_from_args(args)
-    runs = protocol.unseen_runs(protocol.rate_multiplier_for(spec.gpu, spec.model, spec.pools))
-    matches = [r for r in runs if protocol.run_label(r).startswith(args.run)]
-    if not matches:
-        p.error(f"no protocol run starts with {args.run!r}: "
-                f"{', '.join(protocol.run_label(r) for r in runs)}")
-    run_set = matches[0]
+    try:
+        run_set = protocol.unseen_run(args.run, spec.gpu, spec.model, spec.pools)
+    except ValueError as e:
+        p.error(str(e))
     traces: dict[str, list[DeploymentStats]] = {}
     for spec_text in args.controllers:
         job = EvalJob(spec_text, run_set.trace, args.rate, spec, run_set.window, None, 0,

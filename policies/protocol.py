@@ -165,6 +165,19 @@ def run_label(run: RunSet) -> str:
     return run.name.replace(" ", "-")
 
 
+def unseen_run(label_prefix: str, gpu: str, model: str, pools: dict[str, int]) -> RunSet:
+    """The first unseen run of the deployment whose label starts with ``label_prefix``.
+
+    :raises ValueError: none does (the message lists the labels).
+    """
+    runs = unseen_runs(rate_multiplier_for(gpu, model, pools))
+    for run_set in runs:
+        if run_label(run_set).startswith(label_prefix):
+            return run_set
+    raise ValueError(f"no protocol run starts with {label_prefix!r}: "
+                     f"{', '.join(run_label(r) for r in runs)}")
+
+
 def protocol_jobs(candidates: Sequence[str], spec: DeploymentSpec,
                   run_sets: Sequence[RunSet], *, drain_s: float = 600.0,
                   max_tokens: int | None = None) -> list[EvalJob]:

@@ -37,9 +37,7 @@ from policies.distill import Demonstrations, LabellingController, collect, fit_p
 from policies.finetune import FinetuneConfig, finetune_many, recipe_env_kwargs
 from policies.ppo import PpoController
 from policies.protocol import rate_multiplier_for, training_window
-from policies.selection import (
-    validation_statics,
-)
+from policies.selection import validation_statics
 from policies.training import eval_score, export_actor
 from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, TotalShareCodec
 from rlbatch.control.controllers import make_controller

@@ -31,10 +31,9 @@ class SelectionConfig(Protocol):
 
     def multiplier(self, deployment: int = 0) -> float: ...
 
+
 SELECTION_STATICS: tuple[str, ...] = tuple(f"static:{n}" for n in (16, 32, 64, 128, 256))
 """The static caps a validation window's best is taken from."""
-
-
 KNEE_SCAN: tuple[float, ...] = tuple(round(0.5 + 0.05 * i, 2) for i in range(15))
 """Rate scales (times the deployment's multiplier) scanned for the contested ones."""
 

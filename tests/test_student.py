@@ -221,3 +221,12 @@ def test_recipe_rate_multiplier_scales_training_workloads() -> None:
         assert len(b) > len(a)  # the same draws at twice the rate: a longer stretch of trace
     with pytest.raises(ValueError, match="rate_multiplier"):
         RecipeConfig(rate_multiplier=0.0)
+
+
+def test_unseen_run_finds_a_run_by_label_prefix() -> None:
+    from policies.protocol import run_label, unseen_run
+
+    found = unseen_run("mooncake", "a100-80g", "llama-2-7b", {"fp16": 1, "fp8": 1})
+    assert run_label(found).startswith("mooncake") and found.unseen
+    with pytest.raises(ValueError, match="no protocol run starts with 'nope': azure"):
+        unseen_run("nope", "a100-80g", "llama-2-7b", {"fp16": 1})

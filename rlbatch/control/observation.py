@@ -76,9 +76,15 @@ TREND_TAU_S = 30.0
 """Time constant of the smoothed rates: about the latency window."""
 
 
+def _restates_action(name: str) -> bool:
+    return name.rpartition("/")[2] in ACTION_FEATURES
+
+
 def observation_size(num_buckets: int, version: int = 1) -> int:
     if version >= 4:
-        return observation_size(num_buckets, 3) - 2 * num_buckets - 1
+        n_per_bucket = sum(f in ACTION_FEATURES for f in PER_BUCKET_FEATURES)
+        n_global = sum(f in ACTION_FEATURES for f in (*GLOBAL_FEATURES, *TREND_GLOBAL_FEATURES))
+        return observation_size(num_buckets, 3) - num_buckets * n_per_bucket - n_global
     size = num_buckets * len(PER_BUCKET_FEATURES) + len(GLOBAL_FEATURES)
     if version >= 2:
         size += num_buckets * len(TREND_PER_BUCKET_FEATURES) + len(TREND_GLOBAL_FEATURES)
@@ -90,8 +96,7 @@ def observation_size(num_buckets: int, version: int = 1) -> int:
 def feature_names(bucket_names: tuple[str, ...], version: int = 1) -> list[str]:
     """Name of every observation index, in order."""
     if version >= 4:
-        return [n for n in feature_names(bucket_names, 3)
-                if n.rpartition("/")[2] not in ACTION_FEATURES]
+        return [n for n in feature_names(bucket_names, 3) if not _restates_action(n)]
     names = [f"{b}/{f}" for b in bucket_names for f in PER_BUCKET_FEATURES]
     names += list(GLOBAL_FEATURES)
     if version >= 2:
@@ -142,8 +147,7 @@ class ObservationBuilder:
                 min(seqs / TOTAL_NORM, CLIP)]
         if self.version >= 4:  # built in version 3's layout, then the action dropped
             names = feature_names(self.info.buckets.names, 3)
-            self._keep = np.array([i for i, n in enumerate(names)
-                                   if n.rpartition("/")[2] not in ACTION_FEATURES])
+            self._keep = np.array([i for i, n in enumerate(names) if not _restates_action(n)])
         self.reset()
 
     @property
