@@ -113,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="further GPU/model profiles to train over besides --gpu/--model "
                         "(same pools), each workload served on one drawn uniformly at its "
                         "measured rate multiplier; 'none': only --gpu/--model")
+    g.add_argument("--mix-share", type=float, default=r.mix_share, metavar="P",
+                   help="share of trace workloads (teacher, DAgger, fine-tuning) whose "
+                        "prompt-length mix is redrawn from the training window's own requests "
+                        "at random bucket weights, keeping the slice's arrival process, so "
+                        "the student sees long-prompt-heavy traffic (0: none, the default)")
     g.add_argument("--selection-knee", action="store_true",
                    help="select the checkpoint on validation windows at the rate scales where "
                         "the training traffic is contested on --gpu/--model/--pools (scanned "
@@ -157,6 +162,7 @@ def _recipe_config(args: argparse.Namespace, traces: tuple[str, ...],
                         dagger_rounds=args.dagger_rounds, dagger_episodes=args.dagger_episodes,
                         decision_ticks=args.decision_ticks, epochs=args.epochs,
                         obs_version=args.obs_version, selection_knee=args.selection_knee,
+                        mix_share=args.mix_share,
                         finetune_steps=args.finetune_steps,
                         deployments=args.train_deployments,
                         rate_multiplier=_rate_multiplier(args), **extra)

@@ -39,6 +39,7 @@ from policies.ppo import PpoController
 from policies.protocol import rate_multiplier_for, training_window
 from policies.selection import validation_statics
 from policies.training import eval_score, export_actor
+from rlbatch.buckets import DEFAULT_EDGES
 from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, TotalShareCodec
 from rlbatch.control.controllers import make_controller
 from rlbatch.control.guard import GuardConfig
@@ -52,6 +53,7 @@ from rlbatch.serving.admission import AdmissionConfig
 from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.serving.run import run
 from rlbatch.workload import Workload, load_trace
+from rlbatch.workload.remix import remix_at_random
 from rlbatch.workload.scenarios import make_scenario, slice_trace
 
 
@@ -71,6 +73,10 @@ class RecipeConfig:
     :param broad_rates: range of the other trace rate scales.
     :param knee_share: share of workloads drawn at a knee rate.
     :param generated_share: share of generated workloads (bursty / diurnal / Poisson).
+    :param mix_share: share of trace slices whose prompt-length mix is redrawn
+        (:func:`rlbatch.workload.remix.remix`: the slice's arrivals, lengths from the
+        training window's own requests at bucket weights drawn uniformly from the simplex),
+        so the student sees long-prompt-heavy states that its training traffic lacks.
     :param dagger_rounds: DAgger rounds after behaviour cloning.
     :param dagger_episodes: workloads per DAgger round.
     :param decision_ticks: ticks between two student decisions (held in between).
@@ -109,6 +115,7 @@ class RecipeConfig:
     broad_rates: tuple[float, float] = (0.3, 1.2)
     knee_share: float = 0.7
     generated_share: float = 0.25
+    mix_share: float = 0.0
     dagger_rounds: int = 2
     dagger_episodes: int = 12
     decision_ticks: int = 5
@@ -136,7 +143,7 @@ class RecipeConfig:
             raise ValueError(f"finetune_steps must be >= 0, got {self.finetune_steps}")
         if not self.rate_multiplier > 0:
             raise ValueError(f"rate_multiplier must be > 0, got {self.rate_multiplier}")
-        for name in ("knee_share", "generated_share"):
+        for name in ("knee_share", "generated_share", "mix_share"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         self.deployments = tuple(self.deployments)
@@ -249,7 +256,11 @@ def sample_episodes(cfg: RecipeConfig, rng: np.random.Generator, n: int,
         _, end = training_window(cfg.traces[i])
         span = cfg.episode_s * scale
         start = float(rng.uniform(0.0, max(end - span, 0.0)))
-        out.append((deployment, slice_trace(trace, start, cfg.episode_s, scale)))
+        workload = slice_trace(trace, start, cfg.episode_s, scale)
+        # drawn only when asked, so that recipes without it keep their draws
+        if cfg.mix_share > 0 and rng.random() < cfg.mix_share:
+            workload = remix_at_random(workload, trace, end, DEFAULT_EDGES, rng)
+        out.append((deployment, workload))
     return out
 
 
