@@ -122,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="select the checkpoint on validation windows at the rate scales where "
                         "the training traffic is contested on --gpu/--model/--pools (scanned "
                         "first) instead of the fixed selection rates")
+    g.add_argument("--selection-mixes", action="store_true",
+                   help="also select the checkpoint on each training window with every "
+                        "prompt-length bucket equally likely (the centre of --mix-share's mixes)")
     g.add_argument("--finetune-steps", type=int, default=r.finetune_steps,
                    help="PPO fine-tuning decisions after DAgger (0: none); the fine-tuned "
                         "student is one more checkpoint for selection")
@@ -162,7 +165,7 @@ def _recipe_config(args: argparse.Namespace, traces: tuple[str, ...],
                         dagger_rounds=args.dagger_rounds, dagger_episodes=args.dagger_episodes,
                         decision_ticks=args.decision_ticks, epochs=args.epochs,
                         obs_version=args.obs_version, selection_knee=args.selection_knee,
-                        mix_share=args.mix_share,
+                        mix_share=args.mix_share, selection_mixes=args.selection_mixes,
                         finetune_steps=args.finetune_steps,
                         deployments=args.train_deployments,
                         rate_multiplier=_rate_multiplier(args), **extra)

@@ -36,12 +36,15 @@ def main() -> None:
     p.add_argument("run", type=Path, help="a finished recipe run folder (with recipe.json)")
     p.add_argument("--selection-knee", action="store_true",
                    help="validation windows where the training traffic is contested")
+    p.add_argument("--selection-mixes", action="store_true",
+                   help="also each training window with equal prompt-length bucket shares")
     p.add_argument("--export", type=Path, default=None, metavar="DIR",
                    help="write the kept checkpoint there")
     args = p.parse_args()
     summary = json.loads((args.run / "recipe.json").read_text())
     checkpoints = [Path(c) for c in summary["checkpoints"]]
-    cfg = config_of(args.run, selection_knee=args.selection_knee)
+    cfg = config_of(args.run, selection_knee=args.selection_knee,
+                    selection_mixes=args.selection_mixes)
     start = time.perf_counter()
     recipe = Recipe(cfg)
     best, scores = recipe.select(checkpoints)
@@ -56,7 +59,8 @@ def main() -> None:
           f"{time.perf_counter() - start:.0f} s")
     if args.export is not None:
         export_student_copy(best, args.export, {"selection_scores": scores,
-                                                "selection_knee": args.selection_knee})
+                                                "selection_knee": args.selection_knee,
+                                                "selection_mixes": args.selection_mixes})
         print(f"wrote {args.export}")
 
 

@@ -92,6 +92,8 @@ class RecipeConfig:
         20-95% of requests, the regime the must-checks judge:
         :func:`policies.selection.knee_selection_rates`); further deployments keep the
         middle of ``selection_rates``.
+    :param selection_mixes: also select on each training window with equal prompt-length
+        bucket shares (:func:`policies.selection.mixed_window`).
     :param rate_multiplier: multiplies every trace rate scale and generated load (a
         deployment with more capacity than one A100 serving llama-2-7b needs more load to
         reach its knee; :data:`policies.protocol.RATE_MULTIPLIERS`).
@@ -126,6 +128,7 @@ class RecipeConfig:
     finetune_steps: int = 8192
     selection_rates: tuple[float, ...] = (0.6, 0.7, 0.8)
     selection_knee: bool = False
+    selection_mixes: bool = False
     rate_multiplier: float = 1.0
     deployments: tuple[str, ...] = ("h100-80g/llama-2-7b", "a100-80g/llama-3.1-8b")
     out: str = "runs/recipe"

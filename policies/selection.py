@@ -7,12 +7,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import numpy as np
+
 from policies.compare import CONTESTED
 from policies.protocol import training_window
+from rlbatch.buckets import DEFAULT_EDGES
 from rlbatch.control.controllers import make_controller
 from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.serving.run import run
 from rlbatch.workload import Workload, load_trace
+from rlbatch.workload.remix import length_pools, remix
 
 
 class SelectionConfig(Protocol):
@@ -24,6 +28,7 @@ class SelectionConfig(Protocol):
     pools: str
     selection_rates: tuple[float, ...]
     selection_knee: bool
+    selection_mixes: bool
 
     def train_deployments(self) -> list[tuple[str, str]]: ...
 
@@ -78,8 +83,9 @@ def validation_workloads(cfg: SelectionConfig,
                          ) -> list[tuple[str, int, Workload]]:
     """Full-length windows of the training traffic: the whole training window of each trace
     at each selection rate on the first deployment (``knee``: the given absolute rate scales
-    per trace instead), at the middle selection rate on each further one. Items: ``(name,
-    deployment index, workload)``."""
+    per trace instead), at the middle selection rate on each further one, and
+    (``selection_mixes``) each trace's window at the middle rate with equal bucket shares
+    (:func:`mixed_window`). Items: ``(name, deployment index, workload)``."""
     out = []
     middle = sorted(cfg.selection_rates)[len(cfg.selection_rates) // 2]
     for d, (gpu, model) in enumerate(cfg.train_deployments()):
@@ -92,7 +98,26 @@ def validation_workloads(cfg: SelectionConfig,
                 w = load_trace(t, rate_scale=rate, window_s=window)
                 name = f"{w.name}@{rate:g}" + ("" if d == 0 else f" on {gpu}/{model}")
                 out.append((name, d, w))
+            if cfg.selection_mixes and d == 0:
+                out.append(mixed_window(t, middle * cfg.multiplier(d)))
     return out
+
+
+MIXED_WINDOW_SEED = 0
+"""The draws of the mixed validation window are fixed: every checkpoint of every run meets
+the same requests."""
+
+
+def mixed_window(trace: str, rate: float) -> tuple[str, int, Workload]:
+    """The training window of ``trace`` at ``rate`` with every prompt-length bucket equally
+    likely (the centre of the simplex the recipe's ``mix_share`` draws from: lengths from
+    the window's own requests, thinned to its token rate; :func:`rlbatch.workload.remix.
+    remix`), on the first deployment."""
+    window = training_window(trace)
+    w = load_trace(trace, rate_scale=rate, window_s=window)
+    pools = length_pools(w, DEFAULT_EDGES)
+    mixed = remix(w, pools, [1.0] * len(pools), np.random.default_rng(MIXED_WINDOW_SEED))
+    return f"{w.name}@{rate:g} mixed", 0, mixed
 
 
 def validation_statics(cfg: SelectionConfig, specs: Sequence[DeploymentSpec],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,25 @@ def test_validation_at_the_knee_replaces_only_the_first_deployments_rates(
     items = validation_workloads(cfg, {str(head_trace): (3.0, 5.0)})
     assert [(name.rpartition("@")[2], d) for name, d, _ in items] == [
         ("3", 0), ("5", 0), (f"{0.7 * cfg.multiplier(1):g} on h100-80g/llama-2-7b", 1)]
+
+
+def test_mixed_windows_are_added_only_when_asked_and_are_the_same_every_time(
+        head_trace: Path) -> None:
+    cfg = RecipeConfig(traces=(str(head_trace),), deployments=("h100-80g/llama-2-7b",),
+                       selection_rates=(0.6, 0.7, 0.8))
+    plain = validation_workloads(cfg)
+    assert not any(name.endswith("mixed") for name, _, _ in plain)
+    mixed_cfg = replace(cfg, selection_mixes=True)
+    items = validation_workloads(mixed_cfg)
+    extra = [item for item in items if item[0].endswith("mixed")]
+    assert [(name, d) for name, d, _ in extra] == [(f"{plain[1][0]} mixed", 0)]
+    assert [(n, d) for n, d, _ in items if not n.endswith("mixed")] == [
+        (n, d) for n, d, _ in plain]
+    window = extra[0][2]
+    # equal bucket shares drawn from a short-heavy window: long prompts far above its share
+    long_share = sum(r.prompt_tokens >= 4096 for r in window.requests) / len(window)
+    source = plain[1][2]
+    assert long_share > max(0.1, 2 * sum(r.prompt_tokens >= 4096 for r in source.requests)
+                            / len(source))
+    again = next(w for n, _, w in validation_workloads(mixed_cfg) if n.endswith("mixed"))
+    assert again.requests == window.requests
