@@ -21,11 +21,9 @@ import numpy as np
 import policies.protocol as protocol
 from policies.distill import LabellingController
 from policies.ppo import ppo_factory
-from rlbatch.commands.options import add_deployment_options, deployment_spec_from_args
 from rlbatch.control.action_codec import TotalShareCodec
 from rlbatch.control.controllers import make_controller
 from rlbatch.serving.run import run
-from rlbatch.tools.evaluate import EvalJob, load_job_workload
 
 
 def main() -> None:
@@ -33,17 +31,12 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("student", type=Path, help="a total/share student artifact folder")
     p.add_argument("--teacher", default="mpc", help="the labelling controller spec")
-    p.add_argument("--run", required=True,
-                   help="start of the protocol run's label (e.g. azure, mooncake)")
-    p.add_argument("--rate", type=float, required=True, help="one of the run's rate scales")
     p.add_argument("--every", type=int, default=0,
                    help="print every N-th decision side by side (0: only the shares)")
-    add_deployment_options(p)
-    p.set_defaults(over_length="truncate")
+    protocol.add_run_options(p)
     args = p.parse_args()
-    spec = deployment_spec_from_args(args)
+    spec, run_set, workload = protocol.run_from_args(p, args)
     try:
-        run_set = protocol.unseen_run(args.run, spec.gpu, spec.model, spec.pools)
         student = ppo_factory(str(args.student))
     except ValueError as e:
         p.error(str(e))
@@ -57,10 +50,8 @@ def main() -> None:
     labeller = LabellingController(make_controller(args.teacher),  # type: ignore[arg-type]
                                    codec, student.obs_version, max(codec.totals),
                                    student.decision_ticks, student)
-    job = EvalJob(str(args.student), run_set.trace, args.rate, spec, run_set.window, None, 0,
-                  600.0, None)
     times: list[float] = []
-    run(load_job_workload(job), labeller, spec, rate_scale=args.rate,
+    run(workload, labeller, spec, rate_scale=args.rate,
         on_tick=lambda s: times.append(s.time_s))
     demos = labeller.take()
     mine = np.array([student.artifact.act(o) for o in demos.obs]).reshape(demos.actions.shape)

@@ -23,11 +23,9 @@ import numpy as np
 import policies.protocol as protocol
 from policies.artifact import load_artifact
 from policies.ppo import PpoController
-from rlbatch.commands.options import add_deployment_options, deployment_spec_from_args
 from rlbatch.control.observation import TOTAL_NORM
 from rlbatch.control.types import DeploymentInfo
 from rlbatch.serving.run import run
-from rlbatch.tools.evaluate import EvalJob, load_job_workload
 
 
 class _Recording(PpoController):
@@ -52,17 +50,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("artifact", help="a student artifact folder (total_share actions)")
-    p.add_argument("--run", required=True,
-                   help="start of the protocol run's label (e.g. azure, mooncake)")
-    p.add_argument("--rate", type=float, required=True, help="one of the run's rate scales")
-    add_deployment_options(p)
-    p.set_defaults(over_length="truncate")
+    protocol.add_run_options(p)
     args = p.parse_args()
-    spec = deployment_spec_from_args(args)
-    try:
-        run_set = protocol.unseen_run(args.run, spec.gpu, spec.model, spec.pools)
-    except ValueError as e:
-        p.error(str(e))
+    spec, _, workload = protocol.run_from_args(p, args)
     artifact = load_artifact(Path(args.artifact))
     meta = artifact.metadata
     if meta.get("action_kind") != "total_share":
@@ -71,9 +61,7 @@ def main() -> None:
     # the pool in force is left alone: the edits are about the total
     edited = [i for i, n in enumerate(names) if n.rpartition("/")[2] in ("cap", "total_cap")]
     student = _Recording(artifact, name="student")
-    job = EvalJob(f"ppo:{args.artifact}", run_set.trace, args.rate, spec,
-                  run_set.window, None, 0, 600.0, None)
-    run(load_job_workload(job), student, spec, rate_scale=args.rate)
+    run(workload, student, spec, rate_scale=args.rate)
     obs = np.array(student.observations, dtype=np.float32)
     totals = [int(t) for t in meta["totals"]]
     chosen = np.array([totals[int(artifact.act(o)[0])] for o in obs])

@@ -16,11 +16,9 @@ from __future__ import annotations
 import argparse
 
 import policies.protocol as protocol
-from rlbatch.commands.options import add_deployment_options, deployment_spec_from_args
 from rlbatch.control.controllers import make_controller
 from rlbatch.control.types import DeploymentStats
 from rlbatch.serving.run import run
-from rlbatch.tools.evaluate import EvalJob, load_job_workload
 
 
 def _row(stats: DeploymentStats) -> str:
@@ -34,28 +32,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("controllers", nargs="+", help="controller specs, as for evaluate")
-    p.add_argument("--run", required=True,
-                   help="start of the protocol run's label (e.g. azure, mooncake)")
-    p.add_argument("--rate", type=float, required=True, help="one of the run's rate scales")
     p.add_argument("--from-s", type=float, default=0.0, help="first tick time printed")
     p.add_argument("--to-s", type=float, default=600.0, help="last tick time printed")
     p.add_argument("--every", type=int, default=5, help="print every N ticks")
-    add_deployment_options(p)
-    p.set_defaults(over_length="truncate")
+    protocol.add_run_options(p)
     args = p.parse_args()
     if args.every < 1:
         p.error(f"--every must be >= 1, got {args.every}")
-    spec = deployment_spec_from_args(args)
-    try:
-        run_set = protocol.unseen_run(args.run, spec.gpu, spec.model, spec.pools)
-    except ValueError as e:
-        p.error(str(e))
+    spec, _, workload = protocol.run_from_args(p, args)
     traces: dict[str, list[DeploymentStats]] = {}
     for spec_text in args.controllers:
-        job = EvalJob(spec_text, run_set.trace, args.rate, spec, run_set.window, None, 0,
-                      600.0, None)
         ticks: list[DeploymentStats] = []
-        run(load_job_workload(job), make_controller(spec_text), spec, rate_scale=args.rate,
+        run(workload, make_controller(spec_text), spec, rate_scale=args.rate,
             on_tick=ticks.append)
         traces[spec_text] = ticks
     print("time_s | " + " | ".join(args.controllers))

@@ -27,9 +27,9 @@ from policies.compare import CONTESTED, compare, starved_buckets
 from rlbatch.commands.options import add_deployment_options, deployment_spec_from_args
 from rlbatch.paths import traces_dir
 from rlbatch.serving.deployment import DeploymentSpec
-from rlbatch.tools.evaluate import EvalJob, run_jobs
+from rlbatch.tools.evaluate import EvalJob, load_job_workload, run_jobs
 from rlbatch.tools.report import write_json
-from rlbatch.workload import load_trace
+from rlbatch.workload import Workload, load_trace
 
 HOLDOUT_FRACTION = 0.25
 STATICS: tuple[str, ...] = tuple(f"static:{n}" for n in (4, 8, 16, 32, 64, 128, 256))
@@ -176,6 +176,30 @@ def unseen_run(label_prefix: str, gpu: str, model: str, pools: dict[str, int]) -
             return run_set
     raise ValueError(f"no protocol run starts with {label_prefix!r}: "
                      f"{', '.join(run_label(r) for r in runs)}")
+
+
+def add_run_options(p: argparse.ArgumentParser) -> None:
+    """``--run``, ``--rate`` and the deployment options of a script that studies one unseen
+    run (read back with :func:`run_from_args`)."""
+    p.add_argument("--run", required=True,
+                   help="start of the protocol run's label (e.g. azure, mooncake)")
+    p.add_argument("--rate", type=float, required=True, help="one of the run's rate scales")
+    add_deployment_options(p)
+    p.set_defaults(over_length="truncate")
+
+
+def run_from_args(p: argparse.ArgumentParser, args: argparse.Namespace
+                  ) -> tuple[DeploymentSpec, RunSet, Workload]:
+    """The deployment, the unseen run and its workload at ``--rate`` that
+    :func:`add_run_options` asked for (a run that does not exist: ``p.error``)."""
+    spec = deployment_spec_from_args(args)
+    try:
+        run_set = unseen_run(args.run, spec.gpu, spec.model, spec.pools)
+    except ValueError as e:
+        p.error(str(e))
+    job = EvalJob(args.run, run_set.trace, args.rate, spec, run_set.window, None, 0, 600.0,
+                  None)
+    return spec, run_set, load_job_workload(job)
 
 
 def protocol_jobs(candidates: Sequence[str], spec: DeploymentSpec,

@@ -230,3 +230,23 @@ def test_unseen_run_finds_a_run_by_label_prefix() -> None:
     assert run_label(found).startswith("mooncake") and found.unseen
     with pytest.raises(ValueError, match="no protocol run starts with 'nope': azure"):
         unseen_run("nope", "a100-80g", "llama-2-7b", {"fp16": 1})
+
+
+def test_run_options_give_the_unseen_run_at_the_rate_and_refuse_an_unknown_one(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from policies.protocol import add_run_options, run_from_args
+
+    p = argparse.ArgumentParser()
+    add_run_options(p)
+    args = p.parse_args(["--run", "mooncake", "--rate", "0.5"])
+    spec, run_set, workload = run_from_args(p, args)
+    assert spec.admission.over_length == "truncate"
+    slow = run_from_args(p, p.parse_args(["--run", "mooncake", "--rate", "0.25"]))[2]
+    assert run_set.name == "mooncake" and len(workload) == len(slow)
+    assert workload.requests[-1].arrival_s == pytest.approx(
+        slow.requests[-1].arrival_s / 2, rel=1e-6)
+    with pytest.raises(SystemExit):
+        run_from_args(p, p.parse_args(["--run", "nope", "--rate", "1"]))
+    assert "no protocol run starts with 'nope'" in capsys.readouterr().err
