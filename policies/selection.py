@@ -115,7 +115,7 @@ def mixed_window(trace: str, rate: float) -> tuple[str, int, Workload]:
     remix`), on the first deployment."""
     window = training_window(trace)
     w = load_trace(trace, rate_scale=rate, window_s=window)
-    pools = length_pools(w, DEFAULT_EDGES)
+    pools = length_pools(w.requests, DEFAULT_EDGES)
     mixed = remix(w, pools, [1.0] * len(pools), np.random.default_rng(MIXED_WINDOW_SEED))
     return f"{w.name}@{rate:g} mixed", 0, mixed
 

@@ -33,14 +33,14 @@ def _shares(w: Workload) -> np.ndarray:
 
 
 def test_pools_hold_every_request_in_its_bucket() -> None:
-    pools = length_pools(_source(), EDGES)
+    pools = length_pools(_source().requests, EDGES)
     assert [len(p) for p in pools] == [3700, 100, 100, 100]
     assert all(_bucket(p) == b for b, pool in enumerate(pools) for p, _ in pool)
 
 
 def test_remix_keeps_arrivals_and_draws_lengths_from_the_pools_at_the_weights() -> None:
     src = _source()
-    pools = length_pools(src, EDGES)
+    pools = length_pools(src.requests, EDGES)
     out = remix(src, pools, [0.25, 0.25, 0.25, 0.25], np.random.default_rng(0),
                 keep_tokens=False)
     assert len(out) == len(src)
@@ -54,8 +54,8 @@ def test_remix_keeps_arrivals_and_draws_lengths_from_the_pools_at_the_weights() 
 
 def test_a_zero_weight_bucket_gets_no_request() -> None:
     src = _source()
-    out = remix(src, length_pools(src, EDGES), [0.0, 1.0, 0.0, 3.0], np.random.default_rng(1),
-                keep_tokens=False)
+    out = remix(src, length_pools(src.requests, EDGES), [0.0, 1.0, 0.0, 3.0],
+                np.random.default_rng(1), keep_tokens=False)
     shares = _shares(out)
     assert shares[0] == 0.0 and shares[2] == 0.0
     assert shares[3] == pytest.approx(0.75, abs=0.03)
@@ -63,7 +63,7 @@ def test_a_zero_weight_bucket_gets_no_request() -> None:
 
 def test_a_heavier_mix_is_thinned_to_the_slice_token_rate_and_a_lighter_one_is_not() -> None:
     src = _source()
-    pools = length_pools(src, EDGES)
+    pools = length_pools(src.requests, EDGES)
 
     def tokens(w: Workload) -> int:
         return sum(r.prompt_tokens + r.max_output_tokens for r in w.requests)
@@ -79,7 +79,7 @@ def test_a_heavier_mix_is_thinned_to_the_slice_token_rate_and_a_lighter_one_is_n
 
 def test_same_generator_state_gives_the_same_workload() -> None:
     src = _source()
-    pools = length_pools(src, EDGES)
+    pools = length_pools(src.requests, EDGES)
     a = remix(src, pools, [0.1, 0.2, 0.3, 0.4], np.random.default_rng(7))
     b = remix(src, pools, [0.1, 0.2, 0.3, 0.4], np.random.default_rng(7))
     assert a.requests == b.requests
@@ -93,13 +93,14 @@ def test_same_generator_state_gives_the_same_workload() -> None:
 def test_bad_weights_are_refused(weights: list[float], message: str) -> None:
     src = _source()
     with pytest.raises(ValueError, match=message):
-        remix(src, length_pools(src, EDGES), weights, np.random.default_rng(0))
+        remix(src, length_pools(src.requests, EDGES), weights, np.random.default_rng(0))
 
 
 def test_weight_on_an_empty_pool_only_is_refused() -> None:
     src = build_workload([(0.0, 100, 10, None), (1.0, 200, 10, None)], name="s", source="t")
     with pytest.raises(ValueError, match="has requests"):
-        remix(src, length_pools(src, EDGES), [0.0, 0.0, 0.0, 1.0], np.random.default_rng(0))
+        remix(src, length_pools(src.requests, EDGES), [0.0, 0.0, 0.0, 1.0],
+              np.random.default_rng(0))
 
 
 def test_recipe_remixes_only_trace_slices_and_only_when_asked() -> None:

@@ -13,17 +13,19 @@ without reading any other trace.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from rlbatch.request import Request
 from rlbatch.workload.base import Workload, build_workload
 
 
-def length_pools(source: Workload, edges: Sequence[int]) -> list[list[tuple[int, int]]]:
-    """``(prompt_tokens, max_output_tokens)`` of every request of ``source``, per bucket."""
+def length_pools(requests: Iterable[Request], edges: Sequence[int]
+                 ) -> list[list[tuple[int, int]]]:
+    """``(prompt_tokens, max_output_tokens)`` of every request, per bucket."""
     pools: list[list[tuple[int, int]]] = [[] for _ in range(len(edges) + 1)]
-    for r in source.requests:
+    for r in requests:
         pools[bisect.bisect_right(edges, r.prompt_tokens)].append(
             (r.prompt_tokens, r.max_output_tokens))
     return pools
@@ -80,8 +82,6 @@ def remix_at_random(workload: Workload, source: Workload, source_end_s: float,
                     edges: Sequence[int], rng: np.random.Generator) -> Workload:
     """:func:`remix` at bucket weights drawn uniformly from the simplex, lengths from the
     requests of ``source`` that arrive before ``source_end_s`` (its training window)."""
-    kept = Workload(source.name, [r for r in source.requests if r.arrival_s < source_end_s],
-                    source.source)
-    pools = length_pools(kept, edges)
+    pools = length_pools((r for r in source.requests if r.arrival_s < source_end_s), edges)
     weights = [float(x) for x in rng.dirichlet(np.ones(len(pools)))]
     return remix(workload, pools, weights, rng)
