@@ -125,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--selection-mixes", action="store_true",
                    help="also select the checkpoint on each training window with every "
                         "prompt-length bucket equally likely (the centre of --mix-share's mixes)")
+    g.add_argument("--obs-clip", action="store_true",
+                   help="record in each checkpoint the range of the observations it was "
+                        "fitted on; serving (and fine-tuning) clips every observation into "
+                        "it instead of letting the student extrapolate past its training")
     g.add_argument("--finetune-steps", type=int, default=r.finetune_steps,
                    help="PPO fine-tuning decisions after DAgger (0: none); the fine-tuned "
                         "student is one more checkpoint for selection")
@@ -166,6 +170,7 @@ def _recipe_config(args: argparse.Namespace, traces: tuple[str, ...],
                         decision_ticks=args.decision_ticks, epochs=args.epochs,
                         obs_version=args.obs_version, selection_knee=args.selection_knee,
                         mix_share=args.mix_share, selection_mixes=args.selection_mixes,
+                        obs_clip=args.obs_clip,
                         finetune_steps=args.finetune_steps,
                         deployments=args.train_deployments,
                         rate_multiplier=_rate_multiplier(args), **extra)

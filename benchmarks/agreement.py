@@ -8,7 +8,9 @@ teacher (``--teacher``, bound to the same deployment, as in a DAgger round) says
 do there. Prints the share of decisions where the two agree on the total, on every bucket's
 share, and on everything, then (``--every``) the decisions side by side. Stop 14 of issue 14
 found with it that a student cloned on Azure traffic agrees with its teacher on 2% of the
-totals on Mooncake, whose prompts are 60% of 4k tokens or more: it was extrapolating.
+totals on Mooncake, whose prompts are 60% of 4k tokens or more: it was extrapolating. A
+student with the range it was fitted on (``obs_range``: ``train.py --obs-clip``,
+``benchmarks/clip_run.py``) also gets the features its decisions saw outside that range.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from policies.ppo import ppo_factory
 from rlbatch.control.action_codec import TotalShareCodec
 from rlbatch.control.controllers import make_controller
 from rlbatch.serving.run import run
+
+OUTSIDE_SHOWN = 0.05
+"""Features outside the fitted range in at least this share of decisions are listed."""
 
 
 def main() -> None:
@@ -61,6 +66,18 @@ def main() -> None:
           f"{args.rate:g}: {len(mine)} decisions; agree on the total "
           f"{np.mean(mine[:, 0] == theirs[:, 0]):.1%}, on every share {np.mean(shares):.1%}, "
           f"on everything {np.mean(np.all(mine == theirs, axis=1)):.1%}")
+    bounds = meta.get("obs_range")
+    if bounds is not None:
+        low, high = np.array(bounds["low"]), np.array(bounds["high"])
+        beyond = (demos.obs < low) | (demos.obs > high)
+        outside = np.mean(beyond, axis=0)
+        print(f"decisions with a feature outside the range the student was fitted on "
+              f"(clipped into it): {np.mean(np.any(beyond, axis=1)):.1%}")
+        for i in np.argsort(-outside):
+            if outside[i] < OUTSIDE_SHOWN:
+                break
+            print(f"  {meta['feature_names'][i]}: {outside[i]:.0%} outside "
+                  f"[{low[i]:.3g}, {high[i]:.3g}], up to {demos.obs[:, i].max():.3g}")
     if args.every > 0:
         decision_s = times[::student.decision_ticks]
         print("time_s | student total (shares) | teacher total (shares)")

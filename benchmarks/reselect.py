@@ -18,7 +18,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from policies.recipe import Recipe, RecipeConfig, export_student_copy
+from policies.artifact import copy_artifact
+from policies.recipe import Recipe, RecipeConfig
 
 
 def config_of(run_dir: Path, **changes: Any) -> RecipeConfig:
@@ -58,7 +59,7 @@ def main() -> None:
           f"({', '.join(f'{s:.3f}' for s in summary['selection_scores'])}); "
           f"{time.perf_counter() - start:.0f} s")
     if args.export is not None:
-        export_student_copy(best, args.export, {"selection_scores": scores,
+        copy_artifact(best, args.export, {"selection_scores": scores,
                                                 "selection_knee": args.selection_knee,
                                                 "selection_mixes": args.selection_mixes})
         print(f"wrote {args.export}")

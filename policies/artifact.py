@@ -6,6 +6,8 @@ A trained SB3 PPO MlpPolicy (MultiDiscrete actions) is exported as:
   action head ``action.weight`` / ``action.bias`` (float32);
 * ``policy.json``: format version, activation, the action layout (ladder, pools, buckets),
   observation size and feature names, observation normalisation (mean / std / clip), the
+  range of the observations a cloned student was fitted on (``obs_range``: low / high per
+  feature; each observation is clipped into it before the network sees it), the
   training scenario and command, rlbatch version, and a SHA-256 of the weights file.
 
 Serving needs only numpy (no torch, no SB3): deterministic action = per-dimension argmax of
@@ -55,6 +57,14 @@ class PolicyArtifact:
         self._mean = np.asarray(norm.get("mean", np.zeros(size)), dtype=np.float32)
         self._std = np.asarray(norm.get("std", np.ones(size)), dtype=np.float32)
         self._clip = float(norm.get("clip", 1e9))
+        # a network fitted on a range extrapolates arbitrarily past it (issue 14, stop 15:
+        # Mooncake's 4k+ features reach 5x their training maximum); the clip bounds that
+        bounds = self.metadata.get("obs_range") or {}
+        self._low = np.asarray(bounds.get("low", np.full(size, -np.inf)), dtype=np.float32)
+        self._high = np.asarray(bounds.get("high", np.full(size, np.inf)), dtype=np.float32)
+        if self._low.shape != (size,) or self._high.shape != (size,):
+            raise ArtifactError(f"obs_range has {self._low.shape} / {self._high.shape} "
+                                f"bounds for {size} features")
         self._splits = np.cumsum(self.nvec)[:-1]
 
     @property
@@ -63,7 +73,7 @@ class PolicyArtifact:
 
     def logits(self, obs: np.ndarray) -> np.ndarray:
         """Action logits for one observation (or a batch)."""
-        x = np.asarray(obs, dtype=np.float32)
+        x = np.clip(np.asarray(obs, dtype=np.float32), self._low, self._high)
         x = np.clip((x - self._mean) / self._std, -self._clip, self._clip)
         for w, b in self.hidden:
             x = self._act(x @ w.T + b)
@@ -150,3 +160,11 @@ def load_artifact(path: str | Path) -> PolicyArtifact:
         raise ArtifactError(f"{weights}: action head has {width} outputs, nvec sums to "
                             f"{sum(meta['nvec'])}")
     return PolicyArtifact(hidden, head, meta)
+
+
+def copy_artifact(src: str | Path, dst: Path, extra: dict[str, Any]) -> Path:
+    """Write the artifact at ``src`` to ``dst`` with ``extra`` metadata (same weights)."""
+    artifact = load_artifact(src)
+    meta = {k: v for k, v in artifact.metadata.items()
+            if k not in ("format", "format_version", "num_hidden", "weights_sha256")}
+    return save_artifact(dst, artifact.hidden, artifact.head, {**meta, **extra})

@@ -68,6 +68,11 @@ class Demonstrations:
     def __len__(self) -> int:
         return int(self.obs.shape[0])
 
+    def observation_range(self) -> dict[str, list[float]]:
+        """Per-feature low / high of the observations (a student artifact's ``obs_range``
+        when it is fitted on these)."""
+        return {"low": self.obs.min(axis=0).tolist(), "high": self.obs.max(axis=0).tolist()}
+
     @staticmethod
     def concat(parts: Sequence[Demonstrations]) -> Demonstrations:
         parts = [p for p in parts if len(p)]

@@ -75,6 +75,20 @@ class WorkloadSource(gym.Wrapper[Any, Any, Any, Any]):
         return self.env.reset(seed=seed, options={**(options or {}), "workload": self.draw()})
 
 
+class ClipObservation(gym.ObservationWrapper[Any, Any, Any]):
+    """Clips each observation into ``[low, high]`` per feature, as a student artifact with an
+    ``obs_range`` does when it serves (so fine-tuning sees what serving will)."""
+
+    def __init__(self, env: gym.Env[Any, Any], low: Sequence[float],
+                 high: Sequence[float]) -> None:
+        super().__init__(env)
+        self.low = np.asarray(low, dtype=np.float32)
+        self.high = np.asarray(high, dtype=np.float32)
+
+    def observation(self, observation: Any) -> Any:
+        return np.clip(observation, self.low, self.high).astype(np.float32)
+
+
 def finetune(policy: Any, env_kwargs: dict[str, Any], draw: Callable[[], Workload],
              cfg: FinetuneConfig, seed: int,
              log: Callable[[str, float, int], None] | None = None) -> Any:
@@ -94,11 +108,13 @@ def finetune(policy: Any, env_kwargs: dict[str, Any], draw: Callable[[], Workloa
 def finetune_many(policy: Any,
                   sources: Sequence[tuple[dict[str, Any], Callable[[], Workload]]],
                   cfg: FinetuneConfig, seed: int,
-                  log: Callable[[str, float, int], None] | None = None) -> Any:
+                  log: Callable[[str, float, int], None] | None = None,
+                  obs_range: tuple[Sequence[float], Sequence[float]] | None = None) -> Any:
     """:func:`finetune` over several deployments at once: one env per ``(env_kwargs, draw)``
     source, stepped together; each rollout keeps about ``cfg.n_steps`` decisions in all.
 
     :param sources: env arguments and workload drawer of each deployment (same spaces).
+    :param obs_range: ``(low, high)`` to clip every observation into (:class:`ClipObservation`).
     """
     import torch
     from stable_baselines3 import PPO
@@ -117,7 +133,13 @@ def finetune_many(policy: Any,
 
     def maker(env_kwargs: dict[str, Any], draw: Callable[[], Workload]
               ) -> Callable[[], gym.Env[Any, Any]]:
-        return lambda: Monitor(WorkloadSource(gym.make(envs.ENV_ID, **env_kwargs), draw))
+        def make() -> gym.Env[Any, Any]:
+            env: gym.Env[Any, Any] = WorkloadSource(gym.make(envs.ENV_ID, **env_kwargs), draw)
+            if obs_range is not None:
+                env = ClipObservation(env, *obs_range)
+            return Monitor(env)
+
+        return make
 
     # Returns of hundreds per decision would swamp a fresh value head: scale rewards by
     # their running return std (observations are already normalised by the env).

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from policies.artifact import load_artifact, save_artifact
+from policies.artifact import copy_artifact, load_artifact
 from policies.distill import Demonstrations, LabellingController, collect, fit_policy
 from policies.finetune import FinetuneConfig, finetune_many, recipe_env_kwargs
 from policies.ppo import PpoController
@@ -94,6 +94,10 @@ class RecipeConfig:
         middle of ``selection_rates``.
     :param selection_mixes: also select on each training window with equal prompt-length
         bucket shares (:func:`policies.selection.mixed_window`).
+    :param obs_clip: record in each checkpoint the range of the observations it was fitted on
+        (artifact ``obs_range``; serving clips into it) and clip fine-tuning's observations
+        to the same range, so that a state past anything seen in training is treated as the
+        nearest seen one instead of extrapolated.
     :param rate_multiplier: multiplies every trace rate scale and generated load (a
         deployment with more capacity than one A100 serving llama-2-7b needs more load to
         reach its knee; :data:`policies.protocol.RATE_MULTIPLIERS`).
@@ -129,6 +133,7 @@ class RecipeConfig:
     selection_rates: tuple[float, ...] = (0.6, 0.7, 0.8)
     selection_knee: bool = False
     selection_mixes: bool = False
+    obs_clip: bool = False
     rate_multiplier: float = 1.0
     deployments: tuple[str, ...] = ("h100-80g/llama-2-7b", "a100-80g/llama-3.1-8b")
     out: str = "runs/recipe"
@@ -388,6 +393,12 @@ class Recipe:
         self.log(f"{phase}/action_accuracy", accuracy[0], step)
         return accuracy[0]
 
+    def fitted_range(self) -> dict[str, Any]:
+        """``obs_range`` of everything fitted on so far (``obs_clip``), as artifact metadata."""
+        if not self.cfg.obs_clip:
+            return {}
+        return {"obs_range": Demonstrations.concat(self.demos).observation_range()}
+
     def dagger_round(self, artifact: Path, round_: int) -> list[dict[str, Any]]:
         """Phase 3: the student (behind its guard) drives, the teacher labels."""
         episodes = sample_episodes(self.cfg, self.rng, self.cfg.dagger_episodes,
@@ -411,8 +422,10 @@ class Recipe:
             sources.append((recipe_env_kwargs(gpu, model, cfg.pools, cfg.episode_s,
                                               cfg.obs_version, cfg.decision_ticks),
                             _drawer(one, self.rng, self.traces)))
+        bounds = self.fitted_range().get("obs_range")
         return finetune_many(policy, sources, FinetuneConfig(steps=cfg.finetune_steps),
-                             cfg.seed, self.log)
+                             cfg.seed, self.log,
+                             None if bounds is None else (bounds["low"], bounds["high"]))
 
     def select(self, candidates: Sequence[Path]) -> tuple[Path, list[float]]:
         """Phase 4: score every checkpoint on full-length validation windows against the
@@ -453,7 +466,8 @@ def run_recipe(cfg: RecipeConfig, log: Callable[[str, float, int], None] | None 
         accuracy = recipe.fit(policy, phase, round_)
         path = out / f"student-{round_}"
         export_student(policy, cfg, recipe.codec, path,
-                       {"phase": phase, "round": round_, "action_accuracy": accuracy})
+                       {"phase": phase, "round": round_, "action_accuracy": accuracy,
+                        **recipe.fitted_range()})
         checkpoints.append(path)
         if round_ < cfg.dagger_rounds:
             say(f"dagger round {round_ + 1}: student drives, teacher labels")
@@ -462,12 +476,13 @@ def run_recipe(cfg: RecipeConfig, log: Callable[[str, float, int], None] | None 
         say(f"fine-tuning: PPO for {cfg.finetune_steps} decisions from the last student")
         recipe.finetune(policy)
         path = out / "student-finetuned"
-        export_student(policy, cfg, recipe.codec, path, {"phase": "finetune"})
+        export_student(policy, cfg, recipe.codec, path,
+                       {"phase": "finetune", **recipe.fitted_range()})
         checkpoints.append(path)
     say(f"selection on full-length validation windows: {len(checkpoints)} checkpoints")
     best, scores = recipe.select(checkpoints)
     wall = time.perf_counter() - start
-    final = export_student_copy(best, out / "best", {"selection_scores": scores,
+    final = copy_artifact(best, out / "best", {"selection_scores": scores,
                                                      "train_wall_s": wall})
     summary = {"best": str(final), "checkpoints": [str(c) for c in checkpoints],
                "selection_scores": scores, "wall_s": wall,
@@ -483,15 +498,3 @@ def _drawer(cfg: RecipeConfig, rng: np.random.Generator,
     def draw() -> Workload:
         return sample_workloads(cfg, rng, 1, traces)[0]
     return draw
-
-
-def export_student_copy(src: Path, dst: Path, extra: dict[str, Any]) -> Path:
-    """Re-export a checkpoint artifact to ``dst`` with extra metadata."""
-    artifact = load_artifact(src)
-    meta = {k: v for k, v in artifact.metadata.items()
-            if k not in ("format", "format_version", "num_hidden", "weights_sha256")}
-    meta.update(extra)
-    return save_artifact(dst, artifact.hidden, artifact.head, meta)
-
-
-

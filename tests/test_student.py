@@ -3,6 +3,7 @@ evaluation protocol's judging rules."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -14,11 +15,12 @@ import pytest
 
 import envs
 from envs.batch_size import BatchSizeEnv
-from policies.artifact import load_artifact
+from policies.artifact import ArtifactError, load_artifact
 from policies.distill import Demonstrations, action_accuracy, fit_policy
+from policies.finetune import ClipObservation
 from policies.ppo import PpoController
 from policies.protocol import judge, user_pick
-from policies.recipe import RecipeConfig, build_student, export_student
+from policies.recipe import Recipe, RecipeConfig, build_student, export_student
 from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, TotalShareCodec, make_codec
 from rlbatch.control.controllers import make_controller
 from rlbatch.control.observation import feature_names, observation_size
@@ -250,3 +252,59 @@ def test_run_options_give_the_unseen_run_at_the_rate_and_refuse_an_unknown_one(
     with pytest.raises(SystemExit):
         run_from_args(p, p.parse_args(["--run", "nope", "--rate", "1"]))
     assert "no protocol run starts with 'nope'" in capsys.readouterr().err
+
+
+def test_observation_range_clips_what_the_student_sees(tmp_path: Path) -> None:
+    cfg = _tiny_cfg(tmp_path)
+    one_pool = TotalShareCodec(TOTAL_LADDER, SHARE_LADDER, ("fp16",), 4)
+    size = observation_size(4, cfg.obs_version)
+    policy = build_student(cfg, one_pool, size)
+    rng = np.random.default_rng(2)
+    fitted = Demonstrations(rng.uniform(0.2, 0.4, size=(50, size)).astype(np.float32),
+                            np.zeros((50, len(one_pool.nvec)), dtype=np.int64))
+    bounds = fitted.observation_range()
+    assert bounds["low"] == fitted.obs.min(axis=0).tolist()
+    plain = load_artifact(export_student(policy, cfg, one_pool, tmp_path / "plain"))
+    clipped = load_artifact(export_student(policy, cfg, one_pool, tmp_path / "clipped",
+                                           {"obs_range": bounds}))
+    inside = fitted.obs[:8]
+    np.testing.assert_array_equal(clipped.logits(inside), plain.logits(inside))
+    outside = rng.uniform(-5.0, 5.0, size=(64, size)).astype(np.float32)
+    into = np.clip(outside, fitted.obs.min(axis=0), fitted.obs.max(axis=0))
+    np.testing.assert_array_equal(clipped.act(outside), plain.act(into))
+    assert not np.array_equal(clipped.logits(outside), plain.logits(outside))
+    meta = json.loads((tmp_path / "clipped" / "policy.json").read_text())
+    meta["obs_range"]["high"] = meta["obs_range"]["high"][:-1]
+    (tmp_path / "clipped" / "policy.json").write_text(json.dumps(meta))
+    with pytest.raises(ArtifactError, match="obs_range"):
+        load_artifact(tmp_path / "clipped")
+
+
+def test_recipe_records_the_fitted_range_only_when_asked(tmp_path: Path) -> None:
+    cfg = replace(_tiny_cfg(tmp_path), episodes=2, episode_s=30.0)
+    plain, clipping = Recipe(cfg), Recipe(replace(cfg, obs_clip=True))
+    plain.teacher_data()
+    clipping.teacher_data()
+    assert plain.fitted_range() == {}
+    data = Demonstrations.concat(clipping.demos)
+    assert len(data) > 2
+    bounds = clipping.fitted_range()["obs_range"]
+    assert bounds == data.observation_range()
+    assert np.all(np.array(bounds["low"]) <= np.array(bounds["high"]))
+    assert np.any(np.array(bounds["low"]) < np.array(bounds["high"]))
+
+
+def test_clip_observation_keeps_fine_tuning_inside_the_range() -> None:
+    env = gym.make(envs.ENV_ID, scenario="day", episode_s=60.0)
+    size = env.observation_space.shape[0]
+    low, high = np.zeros(size), np.full(size, 0.05)
+    clipped = ClipObservation(env, low, high)
+    obs, _ = clipped.reset(seed=0)
+    seen = [obs]
+    for _ in range(20):
+        obs, *_ = clipped.step(clipped.action_space.sample())
+        seen.append(obs)
+    stacked = np.array(seen)
+    assert stacked.dtype == np.float32
+    assert np.all(stacked >= 0.0) and np.all(stacked <= np.float32(0.05))
+    assert np.any(stacked == np.float32(0.05))
