@@ -55,6 +55,14 @@ def _deployment_list(text: str) -> tuple[str, ...]:
     return items
 
 
+def _load_range(text: str) -> tuple[float, float]:
+    parts = [float(x) for x in text.split(",")]
+    low, high = (parts[0], parts[0]) if len(parts) == 1 else (parts[0], parts[-1])
+    if len(parts) > 2 or not 0 < low <= high:
+        raise ValueError(f"one load or LOW,HIGH with 0 < LOW <= HIGH, e.g. 1,2.5; got {text!r}")
+    return low, high
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     r = RecipeConfig()
@@ -118,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "prompt-length mix is redrawn from the training window's own requests "
                         "at random bucket weights, keeping the slice's arrival process, so "
                         "the student sees long-prompt-heavy traffic (0: none, the default)")
+    g.add_argument("--mix-load", type=checked(_load_range),
+                   default=",".join(f"{x:g}" for x in r.mix_load), metavar="LOW,HIGH",
+                   help="token rate of a remixed slice, times the slice's own, drawn "
+                        "log-uniformly (default 1: the slice's own; long-prompt-heavy traffic "
+                        "such as Mooncake carries about twice that at its knee)")
     g.add_argument("--selection-knee", action="store_true",
                    help="select the checkpoint on validation windows at the rate scales where "
                         "the training traffic is contested on --gpu/--model/--pools (scanned "
@@ -170,7 +183,7 @@ def _recipe_config(args: argparse.Namespace, traces: tuple[str, ...],
                         decision_ticks=args.decision_ticks, epochs=args.epochs,
                         obs_version=args.obs_version, selection_knee=args.selection_knee,
                         mix_share=args.mix_share, selection_mixes=args.selection_mixes,
-                        obs_clip=args.obs_clip,
+                        mix_load=args.mix_load, obs_clip=args.obs_clip,
                         finetune_steps=args.finetune_steps,
                         deployments=args.train_deployments,
                         rate_multiplier=_rate_multiplier(args), **extra)

@@ -34,12 +34,12 @@ import numpy as np
 
 from policies.artifact import copy_artifact, load_artifact
 from policies.distill import Demonstrations, LabellingController, collect, fit_policy
+from policies.episodes import Episode, drawer, sample_episodes
 from policies.finetune import FinetuneConfig, finetune_many, recipe_env_kwargs
 from policies.ppo import PpoController
-from policies.protocol import rate_multiplier_for, training_window
+from policies.protocol import rate_multiplier_for
 from policies.selection import validation_statics
 from policies.training import eval_score, export_actor
-from rlbatch.buckets import DEFAULT_EDGES
 from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, TotalShareCodec
 from rlbatch.control.controllers import make_controller
 from rlbatch.control.guard import GuardConfig
@@ -53,8 +53,6 @@ from rlbatch.serving.admission import AdmissionConfig
 from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.serving.run import run
 from rlbatch.workload import Workload, load_trace
-from rlbatch.workload.remix import remix_at_random
-from rlbatch.workload.scenarios import make_scenario, slice_trace
 
 
 @dataclass
@@ -77,6 +75,8 @@ class RecipeConfig:
         (:func:`rlbatch.workload.remix.remix`: the slice's arrivals, lengths from the
         training window's own requests at bucket weights drawn uniformly from the simplex),
         so the student sees long-prompt-heavy states that its training traffic lacks.
+    :param mix_load: range of a remixed slice's token rate, times its own (log-uniform):
+        Mooncake at its knee carries about twice the 4k+ load of token-rate-matched mixes.
     :param dagger_rounds: DAgger rounds after behaviour cloning.
     :param dagger_episodes: workloads per DAgger round.
     :param decision_ticks: ticks between two student decisions (held in between).
@@ -122,6 +122,7 @@ class RecipeConfig:
     knee_share: float = 0.7
     generated_share: float = 0.25
     mix_share: float = 0.0
+    mix_load: tuple[float, float] = (1.0, 1.0)
     dagger_rounds: int = 2
     dagger_episodes: int = 12
     decision_ticks: int = 5
@@ -151,6 +152,8 @@ class RecipeConfig:
             raise ValueError(f"finetune_steps must be >= 0, got {self.finetune_steps}")
         if not self.rate_multiplier > 0:
             raise ValueError(f"rate_multiplier must be > 0, got {self.rate_multiplier}")
+        if not 0 < self.mix_load[0] <= self.mix_load[1]:
+            raise ValueError(f"mix_load must be 0 < low <= high, got {self.mix_load}")
         for name in ("knee_share", "generated_share", "mix_share"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
@@ -213,10 +216,6 @@ def make_labeller(cfg: RecipeConfig, codec: TotalShareCodec,
                                max(codec.totals), cfg.decision_ticks, actor)
 
 
-Episode = tuple[int, Workload]
-"""A training workload and the index of the deployment that serves it."""
-
-
 def _episode_task(item: tuple[int, RecipeConfig, str | None, int], workload: Workload
                   ) -> tuple[Demonstrations, list[dict[str, Any]]]:
     # One teacher / DAgger episode on a Ray worker: a fresh labeller (the teacher resets
@@ -227,49 +226,6 @@ def _episode_task(item: tuple[int, RecipeConfig, str | None, int], workload: Wor
     actor = None if student is None else PpoController(load_artifact(Path(student)),
                                                        name="student")
     return collect(make_labeller(cfg, codec, actor), [workload], spec)
-
-
-def sample_workloads(cfg: RecipeConfig, rng: np.random.Generator, n: int,
-                     traces: Sequence[Workload]) -> list[Workload]:
-    """Training workloads of the first deployment (:func:`sample_episodes` without the
-    deployments)."""
-    return [w for _, w in sample_episodes(cfg, rng, n, traces)]
-
-
-def sample_episodes(cfg: RecipeConfig, rng: np.random.Generator, n: int,
-                    traces: Sequence[Workload]) -> list[Episode]:
-    """Training episodes: slices of the training windows (mostly near the knee) and
-    generated traffic, never the held-back window, each on a deployment drawn uniformly
-    from :meth:`RecipeConfig.train_deployments` (no draw with one deployment) and scaled
-    to its knee.
-
-    :param traces: ``cfg.traces`` loaded, in order.
-    """
-    out: list[Episode] = []
-    n_dep = len(cfg.train_deployments())
-    for _ in range(n):
-        deployment = int(rng.integers(n_dep)) if n_dep > 1 else 0
-        multiplier = cfg.multiplier(deployment)
-        if not traces or rng.random() < cfg.generated_share:
-            kind = ("bursty", "diurnal", "night", "day")[int(rng.integers(4))]
-            load = float(np.exp(rng.uniform(np.log(0.8), np.log(2.0))))
-            out.append((deployment, make_scenario(kind, seed=int(rng.integers(2**31)),
-                                                  duration_s=cfg.episode_s,
-                                                  load_scale=load * multiplier)))
-            continue
-        i = int(rng.integers(len(traces)))
-        trace = traces[i]
-        lo, hi = cfg.knee_rates if rng.random() < cfg.knee_share else cfg.broad_rates
-        scale = float(rng.uniform(lo, hi)) * multiplier
-        _, end = training_window(cfg.traces[i])
-        span = cfg.episode_s * scale
-        start = float(rng.uniform(0.0, max(end - span, 0.0)))
-        workload = slice_trace(trace, start, cfg.episode_s, scale)
-        # drawn only when asked, so that recipes without it keep their draws
-        if cfg.mix_share > 0 and rng.random() < cfg.mix_share:
-            workload = remix_at_random(workload, trace, end, DEFAULT_EDGES, rng)
-        out.append((deployment, workload))
-    return out
 
 
 def build_student(cfg: RecipeConfig, codec: TotalShareCodec, obs_size: int) -> Any:
@@ -421,7 +377,7 @@ class Recipe:
                           rate_multiplier=cfg.multiplier(d))
             sources.append((recipe_env_kwargs(gpu, model, cfg.pools, cfg.episode_s,
                                               cfg.obs_version, cfg.decision_ticks),
-                            _drawer(one, self.rng, self.traces)))
+                            drawer(one, self.rng, self.traces)))
         bounds = self.fitted_range().get("obs_range")
         return finetune_many(policy, sources, FinetuneConfig(steps=cfg.finetune_steps),
                              cfg.seed, self.log,
@@ -491,10 +447,3 @@ def run_recipe(cfg: RecipeConfig, log: Callable[[str, float, int], None] | None 
                "decisions": sum(len(d) for d in recipe.demos), "config": asdict(cfg)}
     (out / "recipe.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return summary
-
-
-def _drawer(cfg: RecipeConfig, rng: np.random.Generator,
-            traces: Sequence[Workload]) -> Callable[[], Workload]:
-    def draw() -> Workload:
-        return sample_workloads(cfg, rng, 1, traces)[0]
-    return draw

@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from policies.episodes import sample_episodes
 from policies.multiseed import run_seeds, seed_runs, summary_table
-from policies.recipe import Recipe, RecipeConfig, sample_episodes
+from policies.recipe import Recipe, RecipeConfig
 from rlbatch.scale import LOCAL, connect
 from rlbatch.scale.cluster import shutdown
 from rlbatch.tools.evaluate import comparable_rows

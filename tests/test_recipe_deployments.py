@@ -5,12 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from policies.recipe import (
-    RecipeConfig,
-    parse_deployment,
-    sample_episodes,
-    sample_workloads,
-)
+from policies.episodes import sample_episodes, sample_workloads
+from policies.recipe import RecipeConfig, parse_deployment
 from policies.selection import validation_workloads
 from rlbatch.workload import Workload, load_trace
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import bisect
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
+from policies.episodes import sample_episodes
 from policies.protocol import training_window
-from policies.recipe import RecipeConfig, sample_episodes
+from policies.recipe import RecipeConfig
 from rlbatch.buckets import DEFAULT_EDGES
 from rlbatch.workload import Workload, build_workload, load_trace
 from rlbatch.workload.remix import length_pools, remix
@@ -125,3 +127,53 @@ def test_recipe_remixes_only_trace_slices_and_only_when_asked() -> None:
 def test_recipe_refuses_a_mix_share_outside_0_1(share: float) -> None:
     with pytest.raises(ValueError, match="mix_share"):
         RecipeConfig(mix_share=share)
+
+
+def test_token_scale_keeps_that_many_times_the_slice_token_rate() -> None:
+    src = _source()
+    pools = length_pools(src.requests, EDGES)
+
+    def tokens(w: Workload) -> int:
+        return sum(r.prompt_tokens + r.max_output_tokens for r in w.requests)
+
+    once = remix(src, pools, [0.0, 0.0, 0.0, 1.0], np.random.default_rng(2))
+    twice = remix(src, pools, [0.0, 0.0, 0.0, 1.0], np.random.default_rng(2), token_scale=2.0)
+    assert tokens(twice) == pytest.approx(2 * tokens(src), rel=0.1)
+    assert tokens(twice) == pytest.approx(2 * tokens(once), rel=0.15)
+    # never more arrivals than the slice has
+    assert len(remix(src, pools, [0.0, 0.0, 0.0, 1.0], np.random.default_rng(2),
+                     token_scale=1e6)) == len(src)
+    with pytest.raises(ValueError, match="token_scale"):
+        remix(src, pools, [1.0, 0.0, 0.0, 0.0], np.random.default_rng(2), token_scale=0.0)
+
+
+def test_recipe_mix_load_raises_the_remixed_slices_load() -> None:
+    base = RecipeConfig(deployments=(), mix_share=1.0, generated_share=0.0)
+    traces = [load_trace(t) for t in base.traces]
+    ratios = []
+    for seed in range(6):
+        one, two = (sample_episodes(replace(base, mix_load=(x, x)),
+                                    np.random.default_rng(seed), 1, traces)[0][1]
+                    for x in (1.0, 2.0))
+        assert len(two) >= len(one)
+        if "kept" in two.transforms[-1]:  # thinned at both loads
+            ratios.append(len(two) / len(one))
+    assert ratios and all(1.6 < r < 2.5 for r in ratios)
+    with pytest.raises(ValueError, match="mix_load"):
+        RecipeConfig(mix_load=(2.0, 1.0))
+
+
+@pytest.mark.parametrize("text, expected", [("1,2.5", (1.0, 2.5)), ("2", (2.0, 2.0)),
+                                            ("2,1", None), ("0,1", None), ("1,2,3", None)])
+def test_train_mix_load_option(text: str, expected: tuple[float, float] | None,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    import train
+
+    parser = train.build_parser()
+    if expected is None:
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--mix-load", text])
+        assert "--mix-load" in capsys.readouterr().err
+    else:
+        assert parser.parse_args(["--mix-load", text]).mix_load == expected
+    assert parser.parse_args([]).mix_load == (1.0, 1.0)

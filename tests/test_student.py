@@ -211,7 +211,7 @@ def test_protocol_refuses_a_bad_mooncake_multiplier(capsys: pytest.CaptureFixtur
 
 
 def test_recipe_rate_multiplier_scales_training_workloads() -> None:
-    from policies.recipe import sample_workloads
+    from policies.episodes import sample_workloads
     from rlbatch.workload import load_trace
 
     traces = [load_trace(t) for t in RecipeConfig().traces]

@@ -33,7 +33,7 @@ def length_pools(requests: Iterable[Request], edges: Sequence[int]
 
 def remix(workload: Workload, pools: Sequence[Sequence[tuple[int, int]]],
           weights: Sequence[float], rng: np.random.Generator, *,
-          keep_tokens: bool = True) -> Workload:
+          keep_tokens: bool = True, token_scale: float = 1.0) -> Workload:
     """``workload``'s arrivals with lengths drawn from ``pools`` at bucket ``weights``.
 
     :param workload: the slice whose arrival times are kept.
@@ -46,8 +46,13 @@ def remix(workload: Workload, pools: Sequence[Sequence[tuple[int, int]]],
         second stays the slice's own (a long-heavy mix at the same request rate would be
         several times the load: the rate scale the caller chose keeps its meaning);
         arrivals are never added.
-    :raises ValueError: weights of the wrong length, negative, or none on a non-empty pool.
+    :param token_scale: with ``keep_tokens``, keep ``token_scale`` times the slice's token
+        rate instead (as far as its arrivals allow).
+    :raises ValueError: weights of the wrong length, negative, or none on a non-empty pool;
+        ``token_scale`` not > 0.
     """
+    if not token_scale > 0:
+        raise ValueError(f"token_scale must be > 0, got {token_scale}")
     if len(weights) != len(pools):
         raise ValueError(f"need one weight per bucket ({len(pools)}), got {len(weights)}")
     w = np.array([float(x) if pool else 0.0 for x, pool in zip(weights, pools, strict=True)])
@@ -61,7 +66,7 @@ def remix(workload: Workload, pools: Sequence[Sequence[tuple[int, int]]],
                              for r in workload.requests]))
         new = sum(float(p) * float(np.mean([a + b for a, b in pool]))
                   for p, pool in zip(w, pools, strict=True) if p > 0)
-        keep = min(1.0, old / new)
+        keep = min(1.0, token_scale * old / new)
     rows = []
     for r in workload.requests:
         if keep < 1.0 and rng.random() >= keep:
@@ -79,9 +84,11 @@ def remix(workload: Workload, pools: Sequence[Sequence[tuple[int, int]]],
 
 
 def remix_at_random(workload: Workload, source: Workload, source_end_s: float,
-                    edges: Sequence[int], rng: np.random.Generator) -> Workload:
+                    edges: Sequence[int], rng: np.random.Generator,
+                    token_scale: float = 1.0) -> Workload:
     """:func:`remix` at bucket weights drawn uniformly from the simplex, lengths from the
-    requests of ``source`` that arrive before ``source_end_s`` (its training window)."""
+    requests of ``source`` that arrive before ``source_end_s`` (its training window), at
+    ``token_scale`` times the slice's token rate."""
     pools = length_pools((r for r in source.requests if r.arrival_s < source_end_s), edges)
     weights = [float(x) for x in rng.dirichlet(np.ones(len(pools)))]
-    return remix(workload, pools, weights, rng)
+    return remix(workload, pools, weights, rng, token_scale=token_scale)

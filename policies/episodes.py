@@ -1,0 +1,92 @@
+"""The recipe's training episodes: slices of the training windows (mostly near the knee),
+generated traffic and, when asked, slices with a redrawn prompt-length mix; never the
+held-back window."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from policies.protocol import training_window
+from rlbatch.buckets import DEFAULT_EDGES
+from rlbatch.workload import Workload
+from rlbatch.workload.remix import remix_at_random
+from rlbatch.workload.scenarios import make_scenario, slice_trace
+
+Episode = tuple[int, Workload]
+"""A training workload and the index of the deployment that serves it."""
+
+
+class EpisodeConfig(Protocol):
+    """What the draws read of :class:`policies.recipe.RecipeConfig`."""
+
+    traces: tuple[str, ...]
+    episode_s: float
+    knee_rates: tuple[float, float]
+    broad_rates: tuple[float, float]
+    knee_share: float
+    generated_share: float
+    mix_share: float
+    mix_load: tuple[float, float]
+
+    def train_deployments(self) -> list[tuple[str, str]]: ...
+
+    def multiplier(self, deployment: int = 0) -> float: ...
+
+
+def sample_workloads(cfg: EpisodeConfig, rng: np.random.Generator, n: int,
+                     traces: Sequence[Workload]) -> list[Workload]:
+    """Training workloads of the first deployment (:func:`sample_episodes` without the
+    deployments)."""
+    return [w for _, w in sample_episodes(cfg, rng, n, traces)]
+
+
+def sample_episodes(cfg: EpisodeConfig, rng: np.random.Generator, n: int,
+                    traces: Sequence[Workload]) -> list[Episode]:
+    """Training episodes: slices of the training windows (mostly near the knee) and
+    generated traffic, never the held-back window, each on a deployment drawn uniformly
+    from ``cfg.train_deployments()`` (no draw with one deployment) and scaled to its knee.
+    A share ``cfg.mix_share`` of the slices gets a redrawn length mix
+    (:func:`rlbatch.workload.remix.remix_at_random`) at ``cfg.mix_load`` times the slice's
+    token rate (log-uniform; drawn only when the range is not one value).
+
+    :param traces: ``cfg.traces`` loaded, in order.
+    """
+    out: list[Episode] = []
+    n_dep = len(cfg.train_deployments())
+    for _ in range(n):
+        deployment = int(rng.integers(n_dep)) if n_dep > 1 else 0
+        multiplier = cfg.multiplier(deployment)
+        if not traces or rng.random() < cfg.generated_share:
+            kind = ("bursty", "diurnal", "night", "day")[int(rng.integers(4))]
+            load = float(np.exp(rng.uniform(np.log(0.8), np.log(2.0))))
+            out.append((deployment, make_scenario(kind, seed=int(rng.integers(2**31)),
+                                                  duration_s=cfg.episode_s,
+                                                  load_scale=load * multiplier)))
+            continue
+        i = int(rng.integers(len(traces)))
+        trace = traces[i]
+        lo, hi = cfg.knee_rates if rng.random() < cfg.knee_share else cfg.broad_rates
+        scale = float(rng.uniform(lo, hi)) * multiplier
+        _, end = training_window(cfg.traces[i])
+        span = cfg.episode_s * scale
+        start = float(rng.uniform(0.0, max(end - span, 0.0)))
+        workload = slice_trace(trace, start, cfg.episode_s, scale)
+        # drawn only when asked, so that recipes without them keep their draws
+        if cfg.mix_share > 0 and rng.random() < cfg.mix_share:
+            low, high = cfg.mix_load
+            load = float(np.exp(rng.uniform(np.log(low), np.log(high)))) if high > low else low
+            workload = remix_at_random(workload, trace, end, DEFAULT_EDGES, rng,
+                                       token_scale=load)
+        out.append((deployment, workload))
+    return out
+
+
+def drawer(cfg: EpisodeConfig, rng: np.random.Generator,
+           traces: Sequence[Workload]) -> Callable[[], Workload]:
+    """One workload per call, as :func:`sample_workloads` draws them (fine-tuning)."""
+    def draw() -> Workload:
+        return sample_workloads(cfg, rng, 1, traces)[0]
+    return draw
