@@ -28,7 +28,7 @@ from policies.multiseed import protocol_comparison, run_seeds, seed_runs, tb_log
 from policies.protocol import render
 from policies.recipe import RecipeConfig, parse_deployment, run_recipe
 from policies.training import TrainConfig, train
-from rlbatch.commands.argtypes import checked
+from rlbatch.commands.argtypes import checked, positive_range
 from rlbatch.commands.options import add_gpu_model_options, add_pools_option
 from rlbatch.control.observation import OBS_VERSIONS
 from rlbatch.engine.config import format_pools
@@ -53,14 +53,6 @@ def _deployment_list(text: str) -> tuple[str, ...]:
     if len(set(items)) != len(items):
         raise ValueError(f"deployments repeat in {text!r}")
     return items
-
-
-def _load_range(text: str) -> tuple[float, float]:
-    parts = [float(x) for x in text.split(",")]
-    low, high = (parts[0], parts[0]) if len(parts) == 1 else (parts[0], parts[-1])
-    if len(parts) > 2 or not 0 < low <= high:
-        raise ValueError(f"one load or LOW,HIGH with 0 < LOW <= HIGH, e.g. 1,2.5; got {text!r}")
-    return low, high
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "prompt-length mix is redrawn from the training window's own requests "
                         "at random bucket weights, keeping the slice's arrival process, so "
                         "the student sees long-prompt-heavy traffic (0: none, the default)")
-    g.add_argument("--mix-load", type=checked(_load_range),
+    g.add_argument("--mix-load", type=checked(positive_range),
                    default=",".join(f"{x:g}" for x in r.mix_load), metavar="LOW,HIGH",
                    help="token rate of a remixed slice, times the slice's own, drawn "
                         "log-uniformly (default 1: the slice's own; long-prompt-heavy traffic "

@@ -44,6 +44,15 @@ def checked(parse: Callable[[str], T]) -> Callable[[str], T]:
     return wrapper
 
 
+def positive_range(text: str) -> tuple[float, float]:
+    """``X`` (the range ``X, X``) or ``LOW,HIGH`` with ``0 < LOW <= HIGH``."""
+    parts = [float(x) for x in text.split(",")]
+    low, high = parts[0], parts[-1]
+    if len(parts) > 2 or not 0 < low <= high:
+        raise ValueError(f"one value or LOW,HIGH with 0 < LOW <= HIGH, e.g. 1,2.5; got {text!r}")
+    return low, high
+
+
 def parse_window(text: str) -> tuple[float, float]:
     start, sep, end = text.partition(":")
     try:
