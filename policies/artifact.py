@@ -58,7 +58,7 @@ class PolicyArtifact:
         self._std = np.asarray(norm.get("std", np.ones(size)), dtype=np.float32)
         self._clip = float(norm.get("clip", 1e9))
         # a network fitted on a range extrapolates arbitrarily past it (issue 14, stop 15:
-        # Mooncake's 4k+ features reach 5x their training maximum); the clip bounds that
+        # the 4k+ features on Mooncake sit at 4x their training maximum); the clip bounds that
         bounds = self.metadata.get("obs_range") or {}
         self._low = np.asarray(bounds.get("low", np.full(size, -np.inf)), dtype=np.float32)
         self._high = np.asarray(bounds.get("high", np.full(size, np.inf)), dtype=np.float32)
