@@ -21,10 +21,8 @@ from pathlib import Path
 import numpy as np
 
 import policies.protocol as protocol
-from policies.distill import LabellingController
+from policies.distill import student_labeller
 from policies.ppo import ppo_factory
-from rlbatch.control.action_codec import TotalShareCodec
-from rlbatch.control.controllers import make_controller
 from rlbatch.serving.run import run
 
 OUTSIDE_SHOWN = 0.05
@@ -43,18 +41,10 @@ def main() -> None:
     spec, run_set, workload = protocol.run_from_args(p, args)
     try:
         student = ppo_factory(str(args.student))
+        labeller = student_labeller(student, args.teacher)
     except ValueError as e:
         p.error(str(e))
-    meta = student.artifact.metadata
-    if student.action_kind != "total_share":
-        p.error(f"{args.student} acts on {student.action_kind} caps; only total/share "
-                "students can be compared with a teacher's proposals")
-    codec = TotalShareCodec(tuple(int(t) for t in meta["totals"]),
-                            tuple(float(s) for s in meta["shares"]), tuple(meta["pools"]),
-                            len(meta["bucket_edges"]) + 1)
-    labeller = LabellingController(make_controller(args.teacher),  # type: ignore[arg-type]
-                                   codec, student.obs_version, max(codec.totals),
-                                   student.decision_ticks, student)
+    meta, codec = student.artifact.metadata, labeller.codec
     times: list[float] = []
     run(workload, labeller, spec, rate_scale=args.rate,
         on_tick=lambda s: times.append(s.time_s))

@@ -38,26 +38,21 @@ def main() -> None:
     summary = json.loads((args.run / "recipe.json").read_text())
     checkpoints = [Path(c) for c in summary["checkpoints"]]
     cfg = config_of(args.run)
+    students = [c for c in checkpoints if c.name != "student-finetuned"]
+    if len(students) != cfg.dagger_rounds + 1:
+        raise SystemExit(f"{args.run}: {len(students)} students for {cfg.dagger_rounds} "
+                         "DAgger rounds")
     start = time.perf_counter()
     recipe = Recipe(cfg)
     recipe.teacher_data()
-    students = [c for c in checkpoints if c.name != "student-finetuned"]
-    for round_, path in enumerate(students):
+    # checkpoints are in training order: each student was fitted on everything collected
+    # before it, then drove the next DAgger round; the fine-tuned one started from the last
+    for round_, path in enumerate(checkpoints):
         data = Demonstrations.concat(recipe.demos)
-        out = copy_artifact(path, args.out / path.name,
-                                  {"obs_range": data.observation_range()})
-        print(f"{path} -> {out.parent} ({len(data)} decisions)", flush=True)
-        if round_ < len(students) - 1:
+        copy_artifact(path, args.out / path.name, {"obs_range": data.observation_range()})
+        print(f"{path} -> {args.out / path.name} ({len(data)} decisions)", flush=True)
+        if round_ < cfg.dagger_rounds:
             recipe.dagger_round(path / "policy.json", round_)
-    if len(recipe.demos) != cfg.dagger_rounds + 1:
-        raise SystemExit(f"{args.run}: {len(students)} students for "
-                         f"{cfg.dagger_rounds} DAgger rounds")
-    for path in checkpoints:
-        if path.name == "student-finetuned":
-            data = Demonstrations.concat(recipe.demos)
-            copy_artifact(path, args.out / path.name,
-                                {"obs_range": data.observation_range()})
-            print(f"{path} -> {args.out / path.name}", flush=True)
     print(f"{time.perf_counter() - start:.0f} s")
 
 

@@ -2,10 +2,11 @@
 own decisions on an unseen run sit.
 
     .venv/bin/python benchmarks/coverage.py --episodes 6 --mix-share 1 --mix-load 1,2.5 \
-        --student runs/s13/v4-s1/best --run mooncake --rate 1.875 --pools fp16:1,fp8:1
+        --pools fp16:1,fp8:1 --student runs/s13/v4-s1/best --run mooncake --rate 1.875
 
-The teacher (``--teacher``) drives ``--episodes`` workloads drawn as the recipe draws them
-(training windows only, with the given length-mix options; seed ``--seed``) and each listed
+The teacher (``--teacher``) drives ``--episodes`` workloads drawn as the recipe draws them for
+the deployment given (training windows only, at its measured rate multiplier, with the given
+length-mix options; seed ``--seed``) and each listed
 feature's median / P90 / maximum over its decisions is printed. With ``--student`` that
 student then drives the unseen run and the same figures of its decisions follow, with the
 share of them above the training episodes' maximum. Issue 14, stop 15: the 4k+ bucket's
@@ -20,13 +21,13 @@ from pathlib import Path
 import numpy as np
 
 import policies.protocol as protocol
-from policies.distill import Demonstrations, LabellingController
+from policies.distill import Demonstrations, student_labeller
 from policies.ppo import ppo_factory
 from policies.recipe import Recipe, RecipeConfig
 from rlbatch.commands.argtypes import checked, positive_range
-from rlbatch.commands.options import add_deployment_options
-from rlbatch.control.controllers import make_controller
+from rlbatch.commands.options import add_deployment_options, deployment_spec_from_args
 from rlbatch.control.observation import feature_names
+from rlbatch.engine.config import format_pools
 from rlbatch.serving.run import run
 
 FEATURES = ("4k+/arrival_rate_ema", "4k+/departure_rate_ema", "4k+/running", "4k+/queue_len",
@@ -56,11 +57,25 @@ def main() -> None:
     add_deployment_options(p)
     p.set_defaults(over_length="truncate")
     args = p.parse_args()
-    try:
-        cfg = RecipeConfig(seed=args.seed, pools="fp16,fp8", teacher=args.teacher,
-                           episodes=args.episodes, obs_version=4, mix_share=args.mix_share,
-                           mix_load=args.mix_load, generated_share=args.generated_share,
-                           deployments=(), rate_multiplier=2.5)
+    spec = deployment_spec_from_args(args)
+    student, labeller = None, None
+    if args.student is not None:
+        if args.run is None or args.rate is None:
+            p.error("--student needs --run and --rate")
+        try:
+            student = ppo_factory(str(args.student))
+            labeller = student_labeller(student, args.teacher)
+        except ValueError as e:
+            p.error(str(e))
+    try:  # the episodes are drawn for the deployment given, at its measured knee
+        cfg = RecipeConfig(seed=args.seed, gpu=spec.gpu, model=spec.model,
+                           pools=format_pools(spec.pools), teacher=args.teacher,
+                           episodes=args.episodes,
+                           obs_version=4 if student is None else student.obs_version,
+                           mix_share=args.mix_share, mix_load=args.mix_load,
+                           generated_share=args.generated_share, deployments=(),
+                           rate_multiplier=protocol.rate_multiplier_for(spec.gpu, spec.model,
+                                                                        spec.pools))
     except ValueError as e:
         p.error(str(e))
     recipe = Recipe(cfg)
@@ -75,15 +90,9 @@ def main() -> None:
           f"mix load {cfg.mix_load[0]:g}-{cfg.mix_load[1]:g}): {len(train)} decisions")
     for f in wanted:
         print("  " + _row(f, train[:, names.index(f)]))
-    if args.student is None:
+    if labeller is None:
         return
-    if args.run is None or args.rate is None:
-        p.error("--student needs --run and --rate")
     spec, run_set, workload = protocol.run_from_args(p, args)
-    student = ppo_factory(str(args.student))
-    labeller = LabellingController(make_controller(args.teacher),  # type: ignore[arg-type]
-                                   recipe.codec, student.obs_version, max(recipe.codec.totals),
-                                   student.decision_ticks, student)
     run(workload, labeller, spec, rate_scale=args.rate)
     seen = labeller.take().obs
     print(f"{args.student} driving {protocol.run_label(run_set)} at {args.rate:g}: "

@@ -59,12 +59,14 @@ class PolicyArtifact:
         self._clip = float(norm.get("clip", 1e9))
         # a network fitted on a range extrapolates arbitrarily past it (issue 14, stop 15:
         # the 4k+ features on Mooncake sit at 4x their training maximum); the clip bounds that
-        bounds = self.metadata.get("obs_range") or {}
-        self._low = np.asarray(bounds.get("low", np.full(size, -np.inf)), dtype=np.float32)
-        self._high = np.asarray(bounds.get("high", np.full(size, np.inf)), dtype=np.float32)
-        if self._low.shape != (size,) or self._high.shape != (size,):
-            raise ArtifactError(f"obs_range has {self._low.shape} / {self._high.shape} "
-                                f"bounds for {size} features")
+        self._bounds: tuple[np.ndarray, np.ndarray] | None = None
+        if (bounds := self.metadata.get("obs_range")) is not None:
+            low = np.asarray(bounds["low"], dtype=np.float32)
+            high = np.asarray(bounds["high"], dtype=np.float32)
+            if low.shape != (size,) or high.shape != (size,):
+                raise ArtifactError(f"obs_range has {low.shape} / {high.shape} bounds for "
+                                    f"{size} features")
+            self._bounds = (low, high)
         self._splits = np.cumsum(self.nvec)[:-1]
 
     @property
@@ -73,7 +75,9 @@ class PolicyArtifact:
 
     def logits(self, obs: np.ndarray) -> np.ndarray:
         """Action logits for one observation (or a batch)."""
-        x = np.clip(np.asarray(obs, dtype=np.float32), self._low, self._high)
+        x = np.asarray(obs, dtype=np.float32)
+        if self._bounds is not None:
+            x = np.clip(x, *self._bounds)
         x = np.clip((x - self._mean) / self._std, -self._clip, self._clip)
         for w, b in self.hidden:
             x = self._act(x @ w.T + b)

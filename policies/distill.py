@@ -23,7 +23,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from rlbatch.control.action_codec import Codec
+from rlbatch.control.action_codec import Codec, TotalShareCodec
+from rlbatch.control.controllers import make_controller
 from rlbatch.control.observation import ObservationBuilder
 from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats
 from rlbatch.serving.deployment import DeploymentSpec
@@ -155,6 +156,25 @@ class LabellingController:
             np.array(self._actions, dtype=np.int64).reshape(-1, n_act))
         self._obs, self._actions = [], []
         return demos
+
+
+def student_labeller(student: Any, teacher: str) -> LabellingController:
+    """``student`` (a total/share :class:`policies.ppo.PpoController`) driving while the
+    controller ``teacher`` labels each of its decisions, as in a DAgger round.
+
+    :raises ValueError: the student acts on another action kind (its totals and shares are
+        what a teacher's proposals are encoded as).
+    """
+    if student.action_kind != "total_share":
+        raise ValueError(f"{student.name} acts on {student.action_kind} caps; only total/share "
+                         "students can be compared with a teacher's proposals")
+    meta = student.artifact.metadata
+    codec = TotalShareCodec(tuple(int(t) for t in meta["totals"]),
+                            tuple(float(s) for s in meta["shares"]), tuple(meta["pools"]),
+                            len(meta["bucket_edges"]) + 1)
+    return LabellingController(make_controller(teacher), codec,  # type: ignore[arg-type]
+                               student.obs_version, max(codec.totals), student.decision_ticks,
+                               student)
 
 
 def _guard_flags(controller: Any) -> tuple[float, ...]:

@@ -63,16 +63,17 @@ def test_a_zero_weight_bucket_gets_no_request() -> None:
     assert shares[3] == pytest.approx(0.75, abs=0.03)
 
 
+def _tokens(w: Workload) -> int:
+    return sum(r.prompt_tokens + r.max_output_tokens for r in w.requests)
+
+
 def test_a_heavier_mix_is_thinned_to_the_slice_token_rate_and_a_lighter_one_is_not() -> None:
     src = _source()
     pools = length_pools(src.requests, EDGES)
 
-    def tokens(w: Workload) -> int:
-        return sum(r.prompt_tokens + r.max_output_tokens for r in w.requests)
-
     heavy = remix(src, pools, [0.0, 0.0, 0.0, 1.0], np.random.default_rng(2))
     assert len(heavy) < len(src) / 5
-    assert tokens(heavy) == pytest.approx(tokens(src), rel=0.1)
+    assert _tokens(heavy) == pytest.approx(_tokens(src), rel=0.1)
     assert "kept" in heavy.transforms[-1]
     light = remix(src, pools, [1.0, 0.0, 0.0, 0.0], np.random.default_rng(2))
     assert len(light) == len(src)
@@ -133,13 +134,10 @@ def test_token_scale_keeps_that_many_times_the_slice_token_rate() -> None:
     src = _source()
     pools = length_pools(src.requests, EDGES)
 
-    def tokens(w: Workload) -> int:
-        return sum(r.prompt_tokens + r.max_output_tokens for r in w.requests)
-
     once = remix(src, pools, [0.0, 0.0, 0.0, 1.0], np.random.default_rng(2))
     twice = remix(src, pools, [0.0, 0.0, 0.0, 1.0], np.random.default_rng(2), token_scale=2.0)
-    assert tokens(twice) == pytest.approx(2 * tokens(src), rel=0.1)
-    assert tokens(twice) == pytest.approx(2 * tokens(once), rel=0.15)
+    assert _tokens(twice) == pytest.approx(2 * _tokens(src), rel=0.1)
+    assert _tokens(twice) == pytest.approx(2 * _tokens(once), rel=0.15)
     # never more arrivals than the slice has
     assert len(remix(src, pools, [0.0, 0.0, 0.0, 1.0], np.random.default_rng(2),
                      token_scale=1e6)) == len(src)

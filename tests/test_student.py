@@ -15,8 +15,8 @@ import pytest
 
 import envs
 from envs.batch_size import BatchSizeEnv
-from policies.artifact import ArtifactError, load_artifact
-from policies.distill import Demonstrations, action_accuracy, fit_policy
+from policies.artifact import ArtifactError, copy_artifact, load_artifact
+from policies.distill import Demonstrations, action_accuracy, fit_policy, student_labeller
 from policies.finetune import ClipObservation
 from policies.ppo import PpoController
 from policies.protocol import judge, user_pick
@@ -308,3 +308,18 @@ def test_clip_observation_keeps_fine_tuning_inside_the_range() -> None:
     assert stacked.dtype == np.float32
     assert np.all(stacked >= 0.0) and np.all(stacked <= np.float32(0.05))
     assert np.any(stacked == np.float32(0.05))
+
+
+def test_student_labeller_records_the_students_states_with_the_teachers_labels(
+        tmp_path: Path) -> None:
+    student = PpoController(load_artifact("policies/two-pool"), name="student")
+    labeller = student_labeller(student, "mpc:routing=0")
+    assert labeller.actor is student and labeller.codec.nvec == student.artifact.nvec
+    spec = DeploymentSpec(pools={"fp16": 1, "fp8": 1})
+    run(make_scenario("day", seed=0, duration_s=30.0), labeller, spec, drain_s=10.0)
+    demos = labeller.take()
+    assert len(demos) > 3 and demos.obs.shape[1] == student.artifact.obs_size
+    per_bucket = copy_artifact("policies/two-pool", tmp_path / "pb",
+                               {"action_kind": "per_bucket"})
+    with pytest.raises(ValueError, match="only total/share"):
+        student_labeller(PpoController(load_artifact(per_bucket), name="pb"), "mpc")
