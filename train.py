@@ -23,6 +23,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from policies.distill import LABELS
 from policies.evaluation import final_comparison
 from policies.multiseed import protocol_comparison, run_seeds, seed_runs, tb_logger
 from policies.protocol import render
@@ -134,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="record in each checkpoint the range of the observations it was "
                         "fitted on; serving (and fine-tuning) clips every observation into "
                         "it instead of letting the student extrapolate past its training")
+    g.add_argument("--labels", choices=LABELS, default=r.labels,
+                   help="choice: fit each decision to the teacher's choice (default); near: "
+                        "to every candidate the teacher counted as tied with it, equally "
+                        "weighted, so the student learns the action most often near-best")
     g.add_argument("--finetune-steps", type=int, default=r.finetune_steps,
                    help="PPO fine-tuning decisions after DAgger (0: none); the fine-tuned "
                         "student is one more checkpoint for selection")
@@ -175,7 +180,7 @@ def _recipe_config(args: argparse.Namespace, traces: tuple[str, ...],
                         decision_ticks=args.decision_ticks, epochs=args.epochs,
                         obs_version=args.obs_version, selection_knee=args.selection_knee,
                         mix_share=args.mix_share, selection_mixes=args.selection_mixes,
-                        mix_load=args.mix_load, obs_clip=args.obs_clip,
+                        mix_load=args.mix_load, obs_clip=args.obs_clip, labels=args.labels,
                         finetune_steps=args.finetune_steps,
                         deployments=args.train_deployments,
                         rate_multiplier=_rate_multiplier(args), **extra)

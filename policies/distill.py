@@ -57,17 +57,42 @@ class Actor(Protocol):
 
 @dataclass
 class Demonstrations:
-    """Observations and the teacher's encoded actions, one row per decision.
+    """Observations and the teacher's encoded actions, one row per label.
+
+    With ``--labels near`` a decision has one row per candidate the teacher counted as tied
+    with its choice, each weighted ``1 / ties``; ``chosen`` marks the row of the action it
+    took. Otherwise every decision is one row of weight 1.
 
     :param obs: ``(N, obs_size)`` float32.
     :param actions: ``(N, len(nvec))`` int64.
+    :param weights: ``(N,)`` float32 label weights (``None``: all 1).
+    :param chosen: ``(N,)`` bool, the teacher's own choice (``None``: every row).
     """
 
     obs: np.ndarray
     actions: np.ndarray
+    weights: np.ndarray | None = None
+    chosen: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        n = self.obs.shape[0]
+        if self.weights is None:
+            self.weights = np.ones(n, dtype=np.float32)
+        if self.chosen is None:
+            self.chosen = np.ones(n, dtype=bool)
+        if not (self.actions.shape[0] == self.weights.shape[0] == self.chosen.shape[0] == n):
+            raise ValueError(f"demonstrations of {n} observations need as many actions, "
+                             f"weights and choices, got {self.actions.shape[0]}, "
+                             f"{self.weights.shape[0]}, {self.chosen.shape[0]}")
 
     def __len__(self) -> int:
         return int(self.obs.shape[0])
+
+    @property
+    def decisions(self) -> int:
+        """Decisions recorded (rows of the teacher's own choice)."""
+        assert self.chosen is not None
+        return int(self.chosen.sum())
 
     def observation_range(self) -> dict[str, list[float]]:
         """Per-feature low / high of the observations (a student artifact's ``obs_range``
@@ -80,7 +105,14 @@ class Demonstrations:
         if not parts:
             raise ValueError("no demonstrations")
         return Demonstrations(np.concatenate([p.obs for p in parts]),
-                              np.concatenate([p.actions for p in parts]))
+                              np.concatenate([p.actions for p in parts]),
+                              np.concatenate([p.weights for p in parts]),
+                              np.concatenate([p.chosen for p in parts]))
+
+
+LABELS = ("choice", "near")
+"""How a decision is labelled: the teacher's choice, or every candidate it counted as tied
+with it (a planner exposing ``last_near``, e.g. :class:`policies.mpc.MpcController`)."""
 
 
 class LabellingController:
@@ -93,12 +125,22 @@ class LabellingController:
     :param max_cap: the student's per-bucket cap normaliser.
     :param decision_ticks: ticks between two recorded decisions.
     :param actor: ``None``: the teacher's actions are applied; else the student's.
+    :param labels: one of :data:`LABELS`; ``near`` needs a teacher with ``last_near`` and
+        ``action(key)``.
     """
 
     def __init__(self, teacher: Teacher, codec: Codec, obs_version: int, max_cap: int,
-                 decision_ticks: int = 1, actor: Actor | None = None) -> None:
+                 decision_ticks: int = 1, actor: Actor | None = None,
+                 labels: str = "choice") -> None:
         if decision_ticks < 1:
             raise ValueError(f"decision_ticks must be >= 1, got {decision_ticks}")
+        if labels not in LABELS:
+            raise ValueError(f"labels must be one of {', '.join(LABELS)}, got {labels!r}")
+        if labels == "near" and not (hasattr(teacher, "last_near")
+                                     and hasattr(teacher, "action")):
+            raise ValueError(f"teacher {teacher.name} does not say which candidates tied "
+                             "(last_near); use labels='choice'")
+        self.labels = labels
         self.teacher = teacher
         self.actor = actor
         self.codec = codec
@@ -109,6 +151,8 @@ class LabellingController:
         self._builder: ObservationBuilder | None = None
         self._obs: list[np.ndarray] = []
         self._actions: list[np.ndarray] = []
+        self._weights: list[float] = []
+        self._chosen: list[bool] = []
         self._ticks = 0
 
     def bind(self, twin: Any) -> None:
@@ -141,11 +185,27 @@ class LabellingController:
         teacher_action = self.teacher.decide(stats)
         if (self._ticks - 1) % self.decision_ticks == 0:
             proposal = self.teacher.last_proposal or teacher_action
-            self._obs.append(obs)
-            self._actions.append(self.codec.encode(proposal))
+            labels = self._labels(self.codec.encode(proposal))
+            for i, label in enumerate(labels):
+                self._obs.append(obs)
+                self._actions.append(label)
+                self._weights.append(1.0 / len(labels))
+                self._chosen.append(i == 0)
         if self.actor is not None:
             return self.actor.decide(stats)
         return teacher_action
+
+    def _labels(self, chosen: np.ndarray) -> list[np.ndarray]:
+        """The teacher's choice first, then (``near``) every other tied candidate once."""
+        out = [np.asarray(chosen)]
+        if self.labels == "near":
+            seen = {tuple(int(x) for x in chosen)}
+            for key in getattr(self.teacher, "last_near", ()):
+                label = np.asarray(self.codec.encode(self.teacher.action(key)))  # type: ignore[attr-defined]
+                if tuple(int(x) for x in label) not in seen:
+                    seen.add(tuple(int(x) for x in label))
+                    out.append(label)
+        return out
 
     def take(self) -> Demonstrations:
         """The decisions recorded so far (and forget them)."""
@@ -153,8 +213,9 @@ class LabellingController:
         size = self._builder.size if self._builder is not None else 0
         demos = Demonstrations(
             np.array(self._obs, dtype=np.float32).reshape(-1, size),
-            np.array(self._actions, dtype=np.int64).reshape(-1, n_act))
-        self._obs, self._actions = [], []
+            np.array(self._actions, dtype=np.int64).reshape(-1, n_act),
+            np.array(self._weights, dtype=np.float32), np.array(self._chosen, dtype=bool))
+        self._obs, self._actions, self._weights, self._chosen = [], [], [], []
         return demos
 
 
@@ -198,7 +259,8 @@ def fit_policy(policy: Any, demos: Demonstrations, *, epochs: int = 60,
                batch_size: int = 64, learning_rate: float = 3e-3, seed: int = 0,
                log: Any = None) -> list[float]:
     """Behaviour cloning: maximise the log-likelihood of the teacher's actions under an SB3
-    ``ActorCriticPolicy`` (in place). Returns the mean loss per epoch.
+    ``ActorCriticPolicy`` (in place), each row weighted by its label weight (all 1 unless
+    ``near`` labels). Returns the mean loss per epoch.
 
     :param policy: ``model.policy`` of an SB3 PPO model whose spaces match the demos.
     :param demos: observations and encoded teacher actions.
@@ -215,6 +277,9 @@ def fit_policy(policy: Any, demos: Demonstrations, *, epochs: int = 60,
     rng = np.random.default_rng(seed)
     obs = torch.as_tensor(demos.obs, dtype=torch.float32)
     actions = torch.as_tensor(demos.actions, dtype=torch.int64)
+    weights = torch.as_tensor(demos.weights, dtype=torch.float32)
+    # all-1 weights take the plain mean, as fits did before near labels existed
+    weighted = bool((weights != 1).any())
     params = [p for name, p in policy.named_parameters() if not name.startswith("value")]
     optimiser = torch.optim.Adam(params, lr=learning_rate)
     losses: list[float] = []
@@ -225,12 +290,18 @@ def fit_policy(policy: Any, demos: Demonstrations, *, epochs: int = 60,
         for start in range(0, len(order), batch_size):
             idx = torch.as_tensor(order[start:start + batch_size])
             dist = policy.get_distribution(obs[idx])
-            loss = -dist.log_prob(actions[idx]).mean()
+            log_prob = dist.log_prob(actions[idx])
+            if weighted:
+                mass = weights[idx].sum()
+                loss = -(weights[idx] * log_prob).sum() / mass
+            else:
+                mass = torch.tensor(float(len(idx)))
+                loss = -log_prob.mean()
             optimiser.zero_grad()
             loss.backward()
             optimiser.step()
-            total += float(loss.detach()) * len(idx)
-        losses.append(total / len(demos))
+            total += float(loss.detach()) * float(mass)
+        losses.append(total / float(weights.sum()))
         if log is not None:
             log(epoch, losses[-1], action_accuracy(policy, demos))
     policy.set_training_mode(False)
@@ -238,11 +309,13 @@ def fit_policy(policy: Any, demos: Demonstrations, *, epochs: int = 60,
 
 
 def action_accuracy(policy: Any, demos: Demonstrations) -> float:
-    """Share of decisions where the student's deterministic action equals the teacher's on
-    every dimension."""
+    """Share of decisions where the student's deterministic action equals the teacher's
+    choice on every dimension."""
     import torch
 
+    assert demos.chosen is not None
+    obs, actions = demos.obs[demos.chosen], demos.actions[demos.chosen]
     with torch.no_grad():
-        dist = policy.get_distribution(torch.as_tensor(demos.obs, dtype=torch.float32))
+        dist = policy.get_distribution(torch.as_tensor(obs, dtype=torch.float32))
         mode = dist.mode().cpu().numpy()
-    return float(np.mean(np.all(mode.reshape(demos.actions.shape) == demos.actions, axis=1)))
+    return float(np.mean(np.all(mode.reshape(actions.shape) == actions, axis=1)))

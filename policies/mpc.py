@@ -155,6 +155,9 @@ class MpcController(GuardedController):
         self.incumbent: Key = (0, (), ())
         self.last_proposal: ControlAction | None = None
         self.last_scores: dict[Key, float] = {}
+        self.last_near: list[Key] = []
+        """The candidates the last decision counted as tied with the best (after the
+        no-shrink rule): a student can be fitted to all of them (``--labels near``)."""
         self.decision_s: list[float] = []
         self.choices: Counter[int] = Counter()
         self.route_choices: Counter[str] = Counter()
@@ -187,6 +190,7 @@ class MpcController(GuardedController):
                 self.twin = None
         self.last_proposal = None
         self.last_scores = {}
+        self.last_near = []
         self.decision_s = []
         self.choices = Counter()
         self.route_choices = Counter()
@@ -332,6 +336,7 @@ class MpcController(GuardedController):
         near = [k for k, v in scores.items() if v >= top - slack]
         if cfg.no_shrink_when_late and any(self._late):
             near = [k for k in near if k[0] >= self.incumbent[0]] or [self.incumbent]
+        self.last_near = near
         if self.incumbent in near and cfg.sticky:
             return self.incumbent
         return max(near, key=lambda k: (k[0], sum(k[1]), k[2] == self._balanced, scores[k]))

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from policies.artifact import copy_artifact, load_artifact
-from policies.distill import Demonstrations, LabellingController, collect, fit_policy
+from policies.distill import LABELS, Demonstrations, LabellingController, collect, fit_policy
 from policies.episodes import Episode, drawer, sample_episodes
 from policies.finetune import FinetuneConfig, finetune_many, recipe_env_kwargs
 from policies.ppo import PpoController
@@ -98,6 +98,10 @@ class RecipeConfig:
         (artifact ``obs_range``; serving clips into it) and clip fine-tuning's observations
         to the same range, so that a state past anything seen in training is treated as the
         nearest seen one instead of extrapolated.
+    :param labels: ``choice``: each decision labelled with the teacher's choice; ``near``:
+        with every candidate the teacher counted as tied with it, weighted equally (the
+        student learns the action most often near-best, not the teacher's tie-break
+        between rollouts its features cannot tell apart).
     :param rate_multiplier: multiplies every trace rate scale and generated load (a
         deployment with more capacity than one A100 serving llama-2-7b needs more load to
         reach its knee; :data:`policies.protocol.RATE_MULTIPLIERS`).
@@ -135,6 +139,7 @@ class RecipeConfig:
     selection_knee: bool = False
     selection_mixes: bool = False
     obs_clip: bool = False
+    labels: str = "choice"
     rate_multiplier: float = 1.0
     deployments: tuple[str, ...] = ("h100-80g/llama-2-7b", "a100-80g/llama-3.1-8b")
     out: str = "runs/recipe"
@@ -152,6 +157,8 @@ class RecipeConfig:
             raise ValueError(f"finetune_steps must be >= 0, got {self.finetune_steps}")
         if not self.rate_multiplier > 0:
             raise ValueError(f"rate_multiplier must be > 0, got {self.rate_multiplier}")
+        if self.labels not in LABELS:
+            raise ValueError(f"labels must be one of {', '.join(LABELS)}, got {self.labels!r}")
         if not 0 < self.mix_load[0] <= self.mix_load[1]:
             raise ValueError(f"mix_load must be 0 < low <= high, got {self.mix_load}")
         for name in ("knee_share", "generated_share", "mix_share"):
@@ -213,7 +220,7 @@ def make_labeller(cfg: RecipeConfig, codec: TotalShareCodec,
     if not hasattr(teacher, "last_proposal"):
         raise ValueError(f"teacher {cfg.teacher!r} does not expose last_proposal")
     return LabellingController(teacher, codec, cfg.obs_version,  # type: ignore[arg-type]
-                               max(codec.totals), cfg.decision_ticks, actor)
+                               max(codec.totals), cfg.decision_ticks, actor, cfg.labels)
 
 
 def _episode_task(item: tuple[int, RecipeConfig, str | None, int], workload: Workload
@@ -333,7 +340,7 @@ class Recipe:
         for i, row in enumerate(rows):
             self.log("teacher/goodput_rps", float(row["goodput_rps"] or 0.0), i)
             self.log("teacher/sla_attainment", float(row["sla_attainment"] or 0.0), i)
-        self.log("teacher/decisions", float(len(demos)), 0)
+        self.log("teacher/decisions", float(demos.decisions), 0)
         return rows
 
     def fit(self, policy: Any, phase: str, step: int) -> float:
@@ -418,7 +425,7 @@ def run_recipe(cfg: RecipeConfig, log: Callable[[str, float, int], None] | None 
     checkpoints: list[Path] = []
     for round_ in range(cfg.dagger_rounds + 1):
         phase = "student" if round_ == 0 else "dagger"
-        say(f"{phase}: fitting on {sum(len(d) for d in recipe.demos)} decisions")
+        say(f"{phase}: fitting on {sum(d.decisions for d in recipe.demos)} decisions")
         accuracy = recipe.fit(policy, phase, round_)
         path = out / f"student-{round_}"
         export_student(policy, cfg, recipe.codec, path,
@@ -444,6 +451,6 @@ def run_recipe(cfg: RecipeConfig, log: Callable[[str, float, int], None] | None 
                "selection_scores": scores, "wall_s": wall,
                "selection_knee_rates": recipe.knee,
                "teacher_goodput_rps": [r["goodput_rps"] for r in teacher_rows],
-               "decisions": sum(len(d) for d in recipe.demos), "config": asdict(cfg)}
+               "decisions": sum(d.decisions for d in recipe.demos), "config": asdict(cfg)}
     (out / "recipe.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return summary
