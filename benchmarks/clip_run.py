@@ -50,7 +50,7 @@ def main() -> None:
     for round_, path in enumerate(checkpoints):
         data = Demonstrations.concat(recipe.demos)
         copy_artifact(path, args.out / path.name, {"obs_range": data.observation_range()})
-        print(f"{path} -> {args.out / path.name} ({len(data)} decisions)", flush=True)
+        print(f"{path} -> {args.out / path.name} ({data.decisions} decisions)", flush=True)
         if round_ < cfg.dagger_rounds:
             recipe.dagger_round(path / "policy.json", round_)
     print(f"{time.perf_counter() - start:.0f} s")

@@ -290,6 +290,7 @@ class Recipe:
         self.specs = [cfg.spec(d) for d in range(len(cfg.train_deployments()))]
         self.codec = TotalShareCodec(TOTAL_LADDER, SHARE_LADDER, tuple(spec.pools),
                                      len(spec.buckets))
+        self.labeller()  # a teacher that cannot label as asked fails here, before any work
         self.obs_size = observation_size(len(spec.buckets), cfg.obs_version)
         self.rng = np.random.default_rng(cfg.seed)
         self.traces = [load_trace(t) for t in cfg.traces]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from policies.distill import Demonstrations, LabellingController, action_accuracy, fit_policy
-from policies.recipe import RecipeConfig, build_student, make_labeller
+from policies.recipe import Recipe, RecipeConfig, build_student, make_labeller
 from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, TotalShareCodec
 from rlbatch.control.controllers import make_controller
 from rlbatch.serving.deployment import DeploymentSpec
@@ -22,9 +22,10 @@ CODEC = TotalShareCodec(TOTAL_LADDER, SHARE_LADDER, ("fp16",), 4)
 
 
 def _demos(near: bool) -> Demonstrations:
-    """One state, three decisions: the teacher chose total index 2, 2 and 5; the first two
-    decisions had index 5 tied with 2, so 5 is near-best in all three."""
-    decisions = [[2, 5], [2, 5], [5]]
+    """One state, five decisions: the teacher chose total index 2 twice, alone, and 5 three
+    times, each tied with another index. By choice 5 wins (3 of 5); by near-best weight 2
+    does (2 against 1.5), which it does not by unweighted rows (2 against 3)."""
+    decisions = [[2], [2], [5, 3], [5, 4], [5, 6]]
     actions, weights, chosen = [], [], []
     for totals in decisions:
         labels = totals if near else totals[:1]
@@ -39,20 +40,20 @@ def _demos(near: bool) -> Demonstrations:
                           np.array(weights, dtype=np.float32), np.array(chosen, dtype=bool))
 
 
-@pytest.mark.parametrize("near, mode", [(False, 2), (True, 5)])
+@pytest.mark.parametrize("near, mode", [(False, 5), (True, 2)])
 def test_near_labels_fit_the_action_most_often_near_best(tmp_path: Path, near: bool,
                                                          mode: int) -> None:
     import torch
 
     demos = _demos(near)
-    assert demos.decisions == 3 and len(demos) == (5 if near else 3)
+    assert demos.decisions == 5 and len(demos) == (8 if near else 5)
     policy = build_student(RecipeConfig(out=str(tmp_path), net_arch=(16,)), CODEC, 24)
     fit_policy(policy, demos, epochs=200, batch_size=8, learning_rate=1e-2)
     with torch.no_grad():
         total = int(policy.get_distribution(torch.as_tensor(demos.obs[:1])).mode()[0, 0])
     assert total == mode
-    # accuracy counts the teacher's own choices only: 2 of 3 are index 2
-    assert action_accuracy(policy, demos) == pytest.approx(2 / 3 if mode == 2 else 1 / 3)
+    # accuracy counts the teacher's own choices only: 2 of 5 are index 2, 3 index 5
+    assert action_accuracy(policy, demos) == pytest.approx(0.4 if mode == 2 else 0.6)
 
 
 def test_demonstrations_refuse_mismatched_columns_and_concat_keeps_weights() -> None:
@@ -63,8 +64,8 @@ def test_demonstrations_refuse_mismatched_columns_and_concat_keeps_weights() -> 
     plain = Demonstrations(obs, actions)
     assert plain.decisions == 3 and np.all(plain.weights == 1)
     both = Demonstrations.concat([plain, _demos(True)])
-    assert both.decisions == 6 and len(both) == 8
-    assert both.weights is not None and float(both.weights.sum()) == pytest.approx(6.0)
+    assert both.decisions == 8 and len(both) == 11
+    assert both.weights is not None and float(both.weights.sum()) == pytest.approx(8.0)
 
 
 def test_near_labels_keep_the_teachers_choices_and_add_its_ties(tmp_path: Path) -> None:
@@ -99,3 +100,5 @@ def test_near_labels_need_a_teacher_that_reports_its_ties() -> None:
                             labels="nearest")
     with pytest.raises(ValueError, match="labels must be one of"):
         RecipeConfig(labels="soft")
+    with pytest.raises(ValueError, match="does not expose last_proposal"):
+        Recipe(RecipeConfig(teacher="playbook"))  # at set-up, before any work
