@@ -60,8 +60,8 @@ def main() -> None:
           f"{time.perf_counter() - start:.0f} s")
     if args.export is not None:
         copy_artifact(best, args.export, {"selection_scores": scores,
-                                                "selection_knee": args.selection_knee,
-                                                "selection_mixes": args.selection_mixes})
+                                          "selection_knee": args.selection_knee,
+                                          "selection_mixes": args.selection_mixes})
         print(f"wrote {args.export}")
 
 

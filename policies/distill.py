@@ -115,6 +115,12 @@ LABELS = ("choice", "near")
 with it (a planner exposing ``last_near``, e.g. :class:`policies.mpc.MpcController`)."""
 
 
+def check_labels(labels: str) -> None:
+    """:raises ValueError: ``labels`` is not one of :data:`LABELS`."""
+    if labels not in LABELS:
+        raise ValueError(f"labels must be one of {', '.join(LABELS)}, got {labels!r}")
+
+
 class LabellingController:
     """Runs the teacher (behaviour cloning) or a student (DAgger) and records, every
     ``decision_ticks`` ticks, the student's observation and the teacher's proposal.
@@ -134,8 +140,7 @@ class LabellingController:
                  labels: str = "choice") -> None:
         if decision_ticks < 1:
             raise ValueError(f"decision_ticks must be >= 1, got {decision_ticks}")
-        if labels not in LABELS:
-            raise ValueError(f"labels must be one of {', '.join(LABELS)}, got {labels!r}")
+        check_labels(labels)
         if labels == "near" and not (hasattr(teacher, "last_near")
                                      and hasattr(teacher, "action")):
             raise ValueError(f"teacher {teacher.name} does not say which candidates tied "
@@ -197,15 +202,12 @@ class LabellingController:
 
     def _labels(self, chosen: np.ndarray) -> list[np.ndarray]:
         """The teacher's choice first, then (``near``) every other tied candidate once."""
-        out = [np.asarray(chosen)]
+        out = {tuple(int(x) for x in chosen): np.asarray(chosen)}
         if self.labels == "near":
-            seen = {tuple(int(x) for x in chosen)}
-            for key in getattr(self.teacher, "last_near", ()):
+            for key in self.teacher.last_near:  # type: ignore[attr-defined]
                 label = np.asarray(self.codec.encode(self.teacher.action(key)))  # type: ignore[attr-defined]
-                if tuple(int(x) for x in label) not in seen:
-                    seen.add(tuple(int(x) for x in label))
-                    out.append(label)
-        return out
+                out.setdefault(tuple(int(x) for x in label), label)
+        return list(out.values())
 
     def take(self) -> Demonstrations:
         """The decisions recorded so far (and forget them)."""
@@ -290,13 +292,9 @@ def fit_policy(policy: Any, demos: Demonstrations, *, epochs: int = 60,
         for start in range(0, len(order), batch_size):
             idx = torch.as_tensor(order[start:start + batch_size])
             dist = policy.get_distribution(obs[idx])
-            log_prob = dist.log_prob(actions[idx])
-            if weighted:
-                mass = weights[idx].sum()
-                loss = -(weights[idx] * log_prob).sum() / mass
-            else:
-                mass = torch.tensor(float(len(idx)))
-                loss = -log_prob.mean()
+            log_prob, mass = dist.log_prob(actions[idx]), weights[idx].sum()
+            loss = (-(weights[idx] * log_prob).sum() / mass if weighted
+                    else -log_prob.mean())
             optimiser.zero_grad()
             loss.backward()
             optimiser.step()

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from policies.artifact import copy_artifact, load_artifact
-from policies.distill import LABELS, Demonstrations, LabellingController, collect, fit_policy
+from policies.distill import Demonstrations, LabellingController, check_labels, collect, fit_policy
 from policies.episodes import Episode, drawer, sample_episodes
 from policies.finetune import FinetuneConfig, finetune_many, recipe_env_kwargs
 from policies.ppo import PpoController
@@ -157,8 +157,7 @@ class RecipeConfig:
             raise ValueError(f"finetune_steps must be >= 0, got {self.finetune_steps}")
         if not self.rate_multiplier > 0:
             raise ValueError(f"rate_multiplier must be > 0, got {self.rate_multiplier}")
-        if self.labels not in LABELS:
-            raise ValueError(f"labels must be one of {', '.join(LABELS)}, got {self.labels!r}")
+        check_labels(self.labels)
         if not 0 < self.mix_load[0] <= self.mix_load[1]:
             raise ValueError(f"mix_load must be 0 < low <= high, got {self.mix_load}")
         for name in ("knee_share", "generated_share", "mix_share"):
