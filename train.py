@@ -29,7 +29,7 @@ from policies.multiseed import protocol_comparison, run_seeds, seed_runs, tb_log
 from policies.protocol import render
 from policies.recipe import RecipeConfig, parse_deployment, run_recipe
 from policies.training import TrainConfig, train
-from rlbatch.commands.argtypes import checked, positive_range
+from rlbatch.commands.argtypes import checked, positive_floats, positive_range
 from rlbatch.commands.options import add_gpu_model_options, add_pools_option
 from rlbatch.control.observation import OBS_VERSIONS
 from rlbatch.engine.config import format_pools
@@ -139,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="choice: fit each decision to the teacher's choice (default); near: "
                         "to every candidate the teacher counted as tied with it, equally "
                         "weighted, so the student learns the action most often near-best")
+    g.add_argument("--shares", type=checked(positive_floats),
+                   default=",".join(f"{x:g}" for x in r.shares), metavar="S,...",
+                   help="the student's share ladder: each bucket's cap is a share of the total "
+                        "cap, increasing and ending at 1 (default %(default)s); '1': the "
+                        "student chooses the total cap only and cannot trim a bucket (pair it "
+                        "with a teacher that does not trim, e.g. mpc:routing=0/trims=0)")
     g.add_argument("--finetune-steps", type=int, default=r.finetune_steps,
                    help="PPO fine-tuning decisions after DAgger (0: none); the fine-tuned "
                         "student is one more checkpoint for selection")
@@ -181,6 +187,7 @@ def _recipe_config(args: argparse.Namespace, traces: tuple[str, ...],
                         obs_version=args.obs_version, selection_knee=args.selection_knee,
                         mix_share=args.mix_share, selection_mixes=args.selection_mixes,
                         mix_load=args.mix_load, obs_clip=args.obs_clip, labels=args.labels,
+                        shares=tuple(args.shares),
                         finetune_steps=args.finetune_steps,
                         deployments=args.train_deployments,
                         rate_multiplier=_rate_multiplier(args), **extra)

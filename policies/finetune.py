@@ -24,6 +24,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
+from rlbatch.control.action_codec import SHARE_LADDER
 from rlbatch.workload import Workload
 
 
@@ -196,8 +197,9 @@ def _steps_per_env(cfg: FinetuneConfig, n_envs: int) -> int:
 
 
 def recipe_env_kwargs(gpu: str, model: str, pools: str, episode_s: float, obs_version: int,
-                      decision_ticks: int) -> dict[str, Any]:
+                      decision_ticks: int, shares: tuple[float, ...] = SHARE_LADDER
+                      ) -> dict[str, Any]:
     """The env arguments that give a recipe student's spaces and deployment."""
     return {"gpu": gpu, "model": model, "pools": pools, "episode_s": episode_s,
             "action_kind": "total_share", "obs_version": obs_version,
-            "decision_ticks": decision_ticks}
+            "decision_ticks": decision_ticks, "shares": tuple(shares)}

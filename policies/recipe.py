@@ -102,6 +102,10 @@ class RecipeConfig:
         with every candidate the teacher counted as tied with it, weighted equally (the
         student learns the action most often near-best, not the teacher's tie-break
         between rollouts its features cannot tell apart).
+    :param shares: the student's share ladder (per-bucket shares of the total cap);
+        ``(1.0,)``: the student chooses the total cap (and routes) only, so it cannot hold
+        a bucket to a share of the batch. A teacher's trims are then projected away in its
+        labels, so pair it with a teacher that does not trim (``mpc:trims=0``).
     :param rate_multiplier: multiplies every trace rate scale and generated load (a
         deployment with more capacity than one A100 serving llama-2-7b needs more load to
         reach its knee; :data:`policies.protocol.RATE_MULTIPLIERS`).
@@ -140,6 +144,7 @@ class RecipeConfig:
     selection_mixes: bool = False
     obs_clip: bool = False
     labels: str = "choice"
+    shares: tuple[float, ...] = SHARE_LADDER
     rate_multiplier: float = 1.0
     deployments: tuple[str, ...] = ("h100-80g/llama-2-7b", "a100-80g/llama-3.1-8b")
     out: str = "runs/recipe"
@@ -158,6 +163,8 @@ class RecipeConfig:
         if not self.rate_multiplier > 0:
             raise ValueError(f"rate_multiplier must be > 0, got {self.rate_multiplier}")
         check_labels(self.labels)
+        self.shares = tuple(float(s) for s in self.shares)
+        TotalShareCodec(TOTAL_LADDER, self.shares, ("any",), 1)  # a bad ladder fails here
         if not 0 < self.mix_load[0] <= self.mix_load[1]:
             raise ValueError(f"mix_load must be 0 < low <= high, got {self.mix_load}")
         for name in ("knee_share", "generated_share", "mix_share"):
@@ -228,7 +235,7 @@ def _episode_task(item: tuple[int, RecipeConfig, str | None, int], workload: Wor
     # fully every run, so this equals the one labeller the serial loop reuses).
     _, cfg, student, deployment = item
     spec = cfg.spec(deployment)
-    codec = TotalShareCodec(TOTAL_LADDER, SHARE_LADDER, tuple(spec.pools), len(spec.buckets))
+    codec = TotalShareCodec(TOTAL_LADDER, cfg.shares, tuple(spec.pools), len(spec.buckets))
     actor = None if student is None else PpoController(load_artifact(Path(student)),
                                                        name="student")
     return collect(make_labeller(cfg, codec, actor), [workload], spec)
@@ -287,7 +294,7 @@ class Recipe:
         spec = cfg.spec()
         self.spec = spec
         self.specs = [cfg.spec(d) for d in range(len(cfg.train_deployments()))]
-        self.codec = TotalShareCodec(TOTAL_LADDER, SHARE_LADDER, tuple(spec.pools),
+        self.codec = TotalShareCodec(TOTAL_LADDER, cfg.shares, tuple(spec.pools),
                                      len(spec.buckets))
         self.labeller()  # a teacher that cannot label as asked fails here, before any work
         self.obs_size = observation_size(len(spec.buckets), cfg.obs_version)
@@ -383,7 +390,8 @@ class Recipe:
             one = replace(cfg, gpu=gpu, model=model, deployments=(),
                           rate_multiplier=cfg.multiplier(d))
             sources.append((recipe_env_kwargs(gpu, model, cfg.pools, cfg.episode_s,
-                                              cfg.obs_version, cfg.decision_ticks),
+                                              cfg.obs_version, cfg.decision_ticks,
+                                              cfg.shares),
                             drawer(one, self.rng, self.traces)))
         bounds = self.fitted_range().get("obs_range")
         return finetune_many(policy, sources, FinetuneConfig(steps=cfg.finetune_steps),

@@ -24,6 +24,8 @@ SHORT = {"episode_s": 60.0, "drain_s": 20.0}
      "gpu": "h200-141g", "model": "llama-3.1-8b"},
     {"scenario": "mixed", "action_kind": "total_share", "obs_version": 4, "decision_ticks": 5,
      "pools": "fp16:1,fp8:1"},
+    {"scenario": "day", "action_kind": "total_share", "obs_version": 3, "decision_ticks": 5,
+     "pools": "fp16:1,fp8:1", "shares": (1.0,)},
 ])
 def test_registered_env_passes_checkers(kwargs: dict[str, object]) -> None:
     env = gym.make(envs.ENV_ID, **SHORT, **kwargs)
@@ -49,7 +51,8 @@ def _rollout(seed: int, steps: int = 80,
 @pytest.mark.parametrize("kwargs", [
     {}, {"action_kind": "total_share", "obs_version": 2, "decision_ticks": 3},
     {"action_kind": "total_share", "obs_version": 3, "decision_ticks": 3},
-    {"action_kind": "total_share", "obs_version": 4, "decision_ticks": 3}])
+    {"action_kind": "total_share", "obs_version": 4, "decision_ticks": 3},
+    {"action_kind": "total_share", "obs_version": 3, "decision_ticks": 3, "shares": (1.0,)}])
 def test_same_seed_identical_rollouts(kwargs: dict[str, object]) -> None:
     a, b = _rollout(3, **kwargs), _rollout(3, **kwargs)
     assert len(a) == len(b)
