@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -120,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "at random bucket weights, keeping the slice's arrival process, so "
                         "the student sees long-prompt-heavy traffic (0: none, the default)")
     g.add_argument("--mix-load", type=checked(positive_range),
-                   default=",".join(f"{x:g}" for x in r.mix_load), metavar="LOW,HIGH",
+                   default=_csv(r.mix_load), metavar="LOW,HIGH",
                    help="token rate of a remixed slice, times the slice's own, drawn "
                         "log-uniformly (default 1: the slice's own; long-prompt-heavy traffic "
                         "such as Mooncake carries about twice that at its knee)")
@@ -140,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "to every candidate the teacher counted as tied with it, equally "
                         "weighted, so the student learns the action most often near-best")
     g.add_argument("--shares", type=checked(positive_floats),
-                   default=",".join(f"{x:g}" for x in r.shares), metavar="S,...",
+                   default=_csv(r.shares), metavar="S,...",
                    help="the student's share ladder: each bucket's cap is a share of the total "
                         "cap, increasing and ending at 1 (default %(default)s); '1': the "
                         "student chooses the total cap only and cannot trim a bucket (pair it "
@@ -162,6 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--compare-rates", default="0.25,0.5,0.75,1.0",
                    help="Azure rate scales of the PPO run's final comparison")
     return p
+
+
+def _csv(values: Sequence[float]) -> str:
+    """``values`` as an option's comma-separated default."""
+    return ",".join(f"{x:g}" for x in values)
 
 
 def _rate_multiplier(args: argparse.Namespace) -> float:
@@ -187,7 +193,7 @@ def _recipe_config(args: argparse.Namespace, traces: tuple[str, ...],
                         obs_version=args.obs_version, selection_knee=args.selection_knee,
                         mix_share=args.mix_share, selection_mixes=args.selection_mixes,
                         mix_load=args.mix_load, obs_clip=args.obs_clip, labels=args.labels,
-                        shares=tuple(args.shares),
+                        shares=args.shares,
                         finetune_steps=args.finetune_steps,
                         deployments=args.train_deployments,
                         rate_multiplier=_rate_multiplier(args), **extra)

@@ -124,7 +124,7 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     episode_s=600, tick_s=1.0, drain_s=120, gpu="a100-80g", model="llama-2-7b",
     pools="fp16", ladder=None, guard=None, reward=None, sla=None, buckets=None,
     load_scale=1.0, window_s=30, engine="sim", max_model_len=None,
-    action_kind="per_bucket", obs_version=1, decision_ticks=1, shares=None)``
+    action_kind="per_bucket", obs_version=1, decision_ticks=1, shares=SHARE_LADDER)``
 
     * ``scenario``: ``mixed`` (trace slices + generators), a named scenario (``day``,
       ``night``, ``bursty``, ``diurnal``), or a trace file path (random slices of it).
@@ -140,8 +140,8 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     * ``obs_version``: 1 (snapshot features), 2 (plus trends), 3 (version 2 in units of
       the deployment's capacity) or 4 (version 3 without the action in force).
     * ``decision_ticks``: ticks one action is held for.
-    * ``shares``: the ``total_share`` action's share ladder (default
-      :data:`~rlbatch.control.action_codec.SHARE_LADDER`; ``(1.0,)``: the total cap only).
+    * ``shares``: the ``total_share`` action's share ladder (``(1.0,)``: the total cap
+      only).
 
     ## Version history
     * v0: initial version; observation version 3 added without a new env version (the
@@ -172,7 +172,7 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
         action_kind: str = "per_bucket",
         obs_version: int = 1,
         decision_ticks: int = 1,
-        shares: tuple[float, ...] | None = None,
+        shares: tuple[float, ...] = SHARE_LADDER,
     ) -> None:
         super().__init__()
         if not episode_s > 0 or not tick_s > 0 or not drain_s >= 0:
@@ -203,7 +203,7 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
         self.pool_names = tuple(self.deployment_spec.pools)
         n_b = len(self.deployment_spec.buckets)
         self.codec = make_codec(action_kind, ladder=self.ladder, pools=self.pool_names,
-                                num_buckets=n_b, shares=shares or SHARE_LADDER)
+                                num_buckets=n_b, shares=shares)
         self.action_kind = action_kind
         self.action_space = spaces.MultiDiscrete(np.array(self.codec.nvec, dtype=np.int64))
         size = observation_size(n_b, obs_version)

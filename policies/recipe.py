@@ -164,7 +164,6 @@ class RecipeConfig:
             raise ValueError(f"rate_multiplier must be > 0, got {self.rate_multiplier}")
         check_labels(self.labels)
         self.shares = tuple(float(s) for s in self.shares)
-        TotalShareCodec(TOTAL_LADDER, self.shares, ("any",), 1)  # a bad ladder fails here
         if not 0 < self.mix_load[0] <= self.mix_load[1]:
             raise ValueError(f"mix_load must be 0 < low <= high, got {self.mix_load}")
         for name in ("knee_share", "generated_share", "mix_share"):
@@ -177,6 +176,7 @@ class RecipeConfig:
         for gpu, model in trained:  # unknown profiles fail here, before any work
             load_gpu(gpu)
             load_model(model)
+        self.student_codec()  # and a bad share ladder
 
     def train_deployments(self) -> list[tuple[str, str]]:
         """``(gpu, model)`` of every deployment trained on; the first is ``gpu``/``model``
@@ -190,6 +190,11 @@ class RecipeConfig:
         gpu, model = self.train_deployments()[deployment]
         return DeploymentSpec(gpu=gpu, model=model, pools=parse_pools(self.pools),
                               admission=AdmissionConfig(over_length="truncate"))
+
+    def student_codec(self) -> TotalShareCodec:
+        """The student's action space: the total ladder, :attr:`shares` and the pools."""
+        spec = self.spec()
+        return TotalShareCodec(TOTAL_LADDER, self.shares, tuple(spec.pools), len(spec.buckets))
 
     def multiplier(self, deployment: int = 0) -> float:
         """Rate multiplier of a deployment: ``rate_multiplier`` times its capacity relative to
@@ -234,11 +239,10 @@ def _episode_task(item: tuple[int, RecipeConfig, str | None, int], workload: Wor
     # One teacher / DAgger episode on a Ray worker: a fresh labeller (the teacher resets
     # fully every run, so this equals the one labeller the serial loop reuses).
     _, cfg, student, deployment = item
-    spec = cfg.spec(deployment)
-    codec = TotalShareCodec(TOTAL_LADDER, cfg.shares, tuple(spec.pools), len(spec.buckets))
     actor = None if student is None else PpoController(load_artifact(Path(student)),
                                                        name="student")
-    return collect(make_labeller(cfg, codec, actor), [workload], spec)
+    return collect(make_labeller(cfg, cfg.student_codec(), actor), [workload],
+                   cfg.spec(deployment))
 
 
 def build_student(cfg: RecipeConfig, codec: TotalShareCodec, obs_size: int) -> Any:
@@ -294,8 +298,7 @@ class Recipe:
         spec = cfg.spec()
         self.spec = spec
         self.specs = [cfg.spec(d) for d in range(len(cfg.train_deployments()))]
-        self.codec = TotalShareCodec(TOTAL_LADDER, cfg.shares, tuple(spec.pools),
-                                     len(spec.buckets))
+        self.codec = cfg.student_codec()
         self.labeller()  # a teacher that cannot label as asked fails here, before any work
         self.obs_size = observation_size(len(spec.buckets), cfg.obs_version)
         self.rng = np.random.default_rng(cfg.seed)
