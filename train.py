@@ -2,6 +2,7 @@
 
     python train.py                       # the recipe: mpc teacher -> student -> DAgger
     python train.py --seed 1 --out runs/seed1
+    python train.py --members 3 --out runs/ensemble   # 3 students, shipped as one
     python train.py --method ppo --timesteps 20000 --out runs/quick   # PPO from scratch
     python train.py --seeds 0,1,2 --ray --out runs/seeds   # 3 seeds as Ray tasks
     tensorboard --logdir runs
@@ -149,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--finetune-steps", type=int, default=r.finetune_steps,
                    help="PPO fine-tuning decisions after DAgger (0: none); the fine-tuned "
                         "student is one more checkpoint for selection")
+    g.add_argument("--members", type=int, default=r.members, metavar="K",
+                   help="train K students, each by the whole recipe with seed K*SEED+k in "
+                        "OUT/member-k, and ship the mean of their logits as one policy "
+                        "(default %(default)s); a member already finished in its folder with "
+                        "the same options is reused")
     h = p.add_argument_group("PPO from scratch (--method ppo)")
     h.add_argument("--timesteps", type=int, default=d.timesteps, help="environment steps")
     h.add_argument("--n-envs", type=int, default=d.n_envs, help="parallel environments")
@@ -193,7 +199,7 @@ def _recipe_config(args: argparse.Namespace, traces: tuple[str, ...],
                         obs_version=args.obs_version, selection_knee=args.selection_knee,
                         mix_share=args.mix_share, selection_mixes=args.selection_mixes,
                         mix_load=args.mix_load, obs_clip=args.obs_clip, labels=args.labels,
-                        shares=args.shares,
+                        shares=args.shares, members=args.members,
                         finetune_steps=args.finetune_steps,
                         deployments=args.train_deployments,
                         rate_multiplier=_rate_multiplier(args), **extra)

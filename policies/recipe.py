@@ -113,6 +113,9 @@ class RecipeConfig:
         ``model`` (same pools): each workload is served on one of them, drawn uniformly, at
         its own measured rate multiplier relative to the first deployment's; selection adds
         their validation windows at the middle selection rate.
+    :param members: train this many students, each by the whole recipe with its own seed
+        (``members * seed + k``: its own workloads, DAgger rollouts and initialisation), and
+        ship the mean of their logits (:mod:`policies.members`); 1: one student.
     :param out: run folder.
     """
 
@@ -147,14 +150,16 @@ class RecipeConfig:
     shares: tuple[float, ...] = SHARE_LADDER
     rate_multiplier: float = 1.0
     deployments: tuple[str, ...] = ("h100-80g/llama-2-7b", "a100-80g/llama-3.1-8b")
+    members: int = 1
     out: str = "runs/recipe"
 
     def __post_init__(self) -> None:
         parse_pools(self.pools)
-        if self.episodes < 1 or self.dagger_rounds < 0 or self.decision_ticks < 1:
-            raise ValueError(f"need episodes >= 1, dagger_rounds >= 0, decision_ticks >= 1; "
-                             f"got {self.episodes}, {self.dagger_rounds}, "
-                             f"{self.decision_ticks}")
+        if (self.episodes < 1 or self.dagger_rounds < 0 or self.decision_ticks < 1
+                or self.members < 1):
+            raise ValueError(f"need episodes >= 1, dagger_rounds >= 0, decision_ticks >= 1, "
+                             f"members >= 1; got {self.episodes}, {self.dagger_rounds}, "
+                             f"{self.decision_ticks}, {self.members}")
         if self.obs_version not in OBS_VERSIONS:
             raise ValueError(f"obs_version must be one of {OBS_VERSIONS}, got "
                              f"{self.obs_version}")
@@ -425,6 +430,10 @@ def run_recipe(cfg: RecipeConfig, log: Callable[[str, float, int], None] | None 
     :param progress: phase messages.
     :param ray: run the teacher and DAgger episodes as Ray tasks (same data).
     """
+    if cfg.members > 1:
+        from policies.members import run_members
+
+        return run_members(cfg, log, progress, ray)
     say = progress or (lambda text: None)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

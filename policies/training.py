@@ -109,6 +109,14 @@ def _make_env(kwargs: dict[str, Any]) -> Callable[[], gym.Env[Any, Any]]:
     return thunk
 
 
+def training_record(training: dict[str, Any]) -> dict[str, Any]:
+    """A training configuration as an artifact records it: trace names relative to the
+    traces folder (the artifact travels to other machines), tuples as lists."""
+    return {k: ([trace_ref(x) for x in v] if k == "traces" else
+                list(v) if isinstance(v, tuple) else v)
+            for k, v in training.items()}
+
+
 def export_actor(policy: Any, spec: DeploymentSpec, training: dict[str, Any], path: Path,
                  layout: dict[str, Any]) -> Path:
     """Export an SB3 ``ActorCriticPolicy``'s actor to the safe artifact format.
@@ -130,10 +138,7 @@ def export_actor(policy: Any, spec: DeploymentSpec, training: dict[str, Any], pa
         "bucket_edges": list(spec.buckets.edges),
         "sla": {"ttft_s": spec.sla.ttft_s, "tpot_s": spec.sla.tpot_s},
         "tick_s": spec.tick_s,
-        # Trace names relative to the traces folder: the artifact travels to other machines.
-        "training": {k: ([trace_ref(x) for x in v] if k == "traces" else
-                         list(v) if isinstance(v, tuple) else v)
-                     for k, v in training.items()},
+        "training": training_record(training),
         "rlbatch_version": __version__,
         **layout,
     }

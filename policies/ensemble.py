@@ -1,0 +1,87 @@
+"""An ensemble of policy artifacts as one artifact: the mean of the members' action logits.
+
+Students cloned from one teacher differ in which states they get right: stops 12-17 of
+issue 14 found each seed's checkpoints starving a different held-back run. The mean of their
+logits (a product of the members' per-dimension action distributions) keeps an action only
+where the members agree on it. The merged network is exact, not an approximation: the members'
+first layers are stacked (they read the same observation), deeper layers are block-diagonal,
+and the action head is the members' heads side by side divided by their number. So serving
+needs nothing new (:class:`policies.artifact.PolicyArtifact`, numpy only) and the artifact
+format is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from policies.artifact import ArtifactError, PolicyArtifact, load_artifact, save_artifact
+
+# metadata that must agree for the members to read the same observation and act in the
+# same action space behind the same guard
+MUST_AGREE = ("nvec", "obs_size", "obs_version", "action_kind", "totals", "shares",
+              "decision_ticks", "ladder", "pools", "bucket_edges", "activation", "obs_norm",
+              "obs_range", "guard", "num_hidden")
+_PROVENANCE = ("format", "format_version", "weights_sha256")
+
+
+def merge(members: Sequence[PolicyArtifact]) -> PolicyArtifact:
+    """One artifact whose logits are the mean of ``members``' logits.
+
+    :param members: artifacts with the same observation, action space, guard and depth.
+    :raises ArtifactError: fewer than one member, or members that disagree on any of
+        :data:`MUST_AGREE`.
+    """
+    if not members:
+        raise ArtifactError("an ensemble needs at least one member")
+    first = members[0].metadata
+    for i, member in enumerate(members[1:], start=1):
+        for key in MUST_AGREE:
+            if member.metadata.get(key) != first.get(key):
+                raise ArtifactError(f"ensemble member {i} differs from member 0 in {key!r}: "
+                                    f"{member.metadata.get(key)!r} vs {first.get(key)!r}")
+    hidden: list[tuple[np.ndarray, np.ndarray]] = []
+    for layer in range(len(members[0].hidden)):
+        weights = [m.hidden[layer][0] for m in members]
+        biases = [m.hidden[layer][1] for m in members]
+        # the first layer reads the shared observation; deeper ones only their own member
+        w = np.vstack(weights) if layer == 0 else _block_diagonal(weights)
+        hidden.append((w, np.concatenate(biases)))
+    k = float(len(members))
+    head_w = np.hstack([m.head[0] for m in members]) / k
+    head_b = np.sum([m.head[1] for m in members], axis=0) / k
+    if not hidden:  # linear members: the mean of the heads reads the observation directly
+        head_w = np.sum([m.head[0] for m in members], axis=0) / k
+    meta = {key: value for key, value in first.items() if key not in _PROVENANCE}
+    return PolicyArtifact(hidden, (head_w.astype(np.float32), head_b.astype(np.float32)),
+                          meta)
+
+
+def _block_diagonal(blocks: Sequence[np.ndarray]) -> np.ndarray:
+    rows = sum(b.shape[0] for b in blocks)
+    cols = sum(b.shape[1] for b in blocks)
+    out = np.zeros((rows, cols), dtype=np.float32)
+    r = c = 0
+    for b in blocks:
+        out[r:r + b.shape[0], c:c + b.shape[1]] = b
+        r += b.shape[0]
+        c += b.shape[1]
+    return out
+
+
+def save_ensemble(paths: Sequence[str | Path], out: Path,
+                  extra: dict[str, Any] | None = None) -> Path:
+    """Merge the artifacts at ``paths`` and write the result to ``out``; returns its JSON path.
+
+    The metadata is the first member's plus ``ensemble_members`` (each member's path and
+    weights SHA-256) and ``extra``.
+    """
+    members = [load_artifact(p) for p in paths]
+    merged = merge(members)
+    record = [{"path": str(p), "weights_sha256": m.metadata.get("weights_sha256")}
+              for p, m in zip(paths, members, strict=True)]
+    return save_artifact(out, merged.hidden, merged.head,
+                         {**merged.metadata, "ensemble_members": record, **(extra or {})})
