@@ -27,9 +27,10 @@ from typing import Any
 
 from policies.distill import LABELS
 from policies.evaluation import final_comparison
+from policies.members import train_students
 from policies.multiseed import protocol_comparison, run_seeds, seed_runs, tb_logger
 from policies.protocol import render
-from policies.recipe import RecipeConfig, parse_deployment, run_recipe
+from policies.recipe import RecipeConfig, parse_deployment
 from policies.training import TrainConfig, train
 from rlbatch.commands.argtypes import checked, positive_floats, positive_range
 from rlbatch.commands.options import add_gpu_model_options, add_pools_option
@@ -223,7 +224,7 @@ def main_distill(args: argparse.Namespace) -> int:
                   flush=True)
 
     try:
-        summary = run_recipe(cfg, log=log, progress=say, ray=args.ray)
+        summary = train_students(cfg, log=log, progress=say, ray=args.ray)
     finally:
         writer.close()
     print(f"trained in {summary['wall_s']:.0f} s on {summary['decisions']} teacher decisions; "

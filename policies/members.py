@@ -23,6 +23,16 @@ from policies.recipe import RecipeConfig, run_recipe
 from policies.training import training_record
 
 
+def train_students(cfg: RecipeConfig, log: Callable[[str, float, int], None] | None = None,
+                   progress: Callable[[str], None] | None = None,
+                   ray: str | None = None) -> dict[str, Any]:
+    """The recipe's policy: one student (:func:`policies.recipe.run_recipe`) or, with
+    ``members > 1``, the merged students of :func:`run_members`. Same arguments and summary."""
+    if cfg.members > 1:
+        return run_members(cfg, log, progress, ray)
+    return run_recipe(cfg, log, progress, ray)
+
+
 def member_config(cfg: RecipeConfig, k: int) -> RecipeConfig:
     """Member ``k``'s recipe: one student, seed ``members * seed + k``, in ``out/member-k``."""
     if not 0 <= k < cfg.members:

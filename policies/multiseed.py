@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from policies.members import train_students
 from policies.protocol import (
     judge,
     label_rows,
@@ -28,7 +29,7 @@ from policies.protocol import (
     unseen_runs,
     user_pick,
 )
-from policies.recipe import RecipeConfig, run_recipe
+from policies.recipe import RecipeConfig
 from policies.training import TrainConfig, train
 from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.tools.evaluate import error_rows, run_jobs
@@ -106,7 +107,7 @@ def train_seed(run: SeedRun, _shared: Any = None) -> dict[str, Any]:
     if isinstance(run.config, RecipeConfig):
         writer, log = tb_logger(out / "tb" / "recipe")
         try:
-            summary = run_recipe(run.config, log=log)
+            summary = train_students(run.config, log=log)
         finally:
             writer.close()
         return {"seed": run.seed, "best": str(Path(summary["best"]).parent),

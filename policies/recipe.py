@@ -115,7 +115,8 @@ class RecipeConfig:
         their validation windows at the middle selection rate.
     :param members: train this many students, each by the whole recipe with its own seed
         (``members * seed + k``: its own workloads, DAgger rollouts and initialisation), and
-        ship the mean of their logits (:mod:`policies.members`); 1: one student.
+        ship the mean of their logits (:func:`policies.members.train_students`); 1: one
+        student.
     :param out: run folder.
     """
 
@@ -431,9 +432,8 @@ def run_recipe(cfg: RecipeConfig, log: Callable[[str, float, int], None] | None 
     :param ray: run the teacher and DAgger episodes as Ray tasks (same data).
     """
     if cfg.members > 1:
-        from policies.members import run_members
-
-        return run_members(cfg, log, progress, ray)
+        raise ValueError(f"run_recipe trains one student; members={cfg.members} is "
+                         f"policies.members.train_students")
     say = progress or (lambda text: None)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,8 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
-from policies.recipe import RecipeConfig, run_recipe
+from policies.members import train_students
+from policies.recipe import RecipeConfig
 from policies.training import TrainConfig, train
 
 
@@ -55,7 +56,7 @@ def trial(config: dict[str, Any], base: RecipeConfig | TrainConfig) -> dict[str,
 
     out = str(Path(tune.get_context().get_trial_dir()) / "run")
     if isinstance(base, RecipeConfig):
-        summary = run_recipe(replace(base, **config, out=out))
+        summary = train_students(replace(base, **config, out=out))
         return {"score": float(max(summary["selection_scores"]))}
     result = train(replace(base, **config, out=out), progress_bar=False)
     return {"score": max((float(h["score"]) for h in result.history), default=float("nan"))}

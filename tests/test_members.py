@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from policies.artifact import load_artifact
-from policies.members import finished, member_config
+from policies.members import finished, member_config, train_students
 from policies.recipe import RecipeConfig, run_recipe
 
 
@@ -39,13 +39,15 @@ def test_member_seeds_and_folders(tmp_path: Path) -> None:
         member_config(cfg, 3)
     with pytest.raises(ValueError, match="members >= 1"):
         RecipeConfig(members=0)
+    with pytest.raises(ValueError, match="train_students"):
+        run_recipe(cfg)
 
 
 def test_members_train_merge_and_resume(small_trace: Path, tmp_path: Path) -> None:
     cfg = _cfg(small_trace, tmp_path)
     tags: list[str] = []
     said: list[str] = []
-    summary = run_recipe(cfg, log=lambda tag, value, step: tags.append(tag),
+    summary = train_students(cfg, log=lambda tag, value, step: tags.append(tag),
                          progress=said.append)
     members = [member_config(cfg, k) for k in range(2)]
     bests = [load_artifact(Path(m.out) / "best") for m in members]
@@ -70,7 +72,7 @@ def test_members_train_merge_and_resume(small_trace: Path, tmp_path: Path) -> No
     member_weights = [(Path(m.out) / "best" / "policy.safetensors").stat().st_mtime_ns
                       for m in members]
     said.clear()
-    again = run_recipe(cfg, progress=said.append)
+    again = train_students(cfg, progress=said.append)
     assert [m["reused"] for m in again["members"]] == [True, True]
     assert sum("reusing the finished run" in s for s in said) == 2
     assert (tmp_path / "best" / "policy.safetensors").read_bytes() == weights
