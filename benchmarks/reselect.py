@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import fields
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +25,7 @@ from policies.recipe import Recipe, RecipeConfig
 def config_of(run_dir: Path, **changes: Any) -> RecipeConfig:
     """The recipe configuration a run recorded, with ``changes``."""
     recorded = json.loads((run_dir / "recipe.json").read_text())["config"]
-    known = {f.name for f in fields(RecipeConfig)}
-    values = {k: tuple(v) if isinstance(v, list) else v for k, v in recorded.items()
-              if k in known}
-    return RecipeConfig(**{**values, **changes})
+    return replace(RecipeConfig.from_record(recorded, ignore_unknown=True), **changes)
 
 
 def main() -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from scipy.linalg import block_diag
 
 from policies.artifact import ArtifactError, PolicyArtifact, load_artifact, save_artifact
 
@@ -48,28 +49,16 @@ def merge(members: Sequence[PolicyArtifact]) -> PolicyArtifact:
         weights = [m.hidden[layer][0] for m in members]
         biases = [m.hidden[layer][1] for m in members]
         # the first layer reads the shared observation; deeper ones only their own member
-        w = np.vstack(weights) if layer == 0 else _block_diagonal(weights)
+        w = np.vstack(weights) if layer == 0 else block_diag(*weights)
         hidden.append((w, np.concatenate(biases)))
     k = float(len(members))
-    head_w = np.hstack([m.head[0] for m in members]) / k
+    heads = [m.head[0] for m in members]
+    # linear members' heads all read the observation: their mean is the head
+    head_w = (np.hstack(heads) if hidden else np.sum(heads, axis=0)) / k
     head_b = np.sum([m.head[1] for m in members], axis=0) / k
-    if not hidden:  # linear members: the mean of the heads reads the observation directly
-        head_w = np.sum([m.head[0] for m in members], axis=0) / k
     meta = {key: value for key, value in first.items() if key not in _PROVENANCE}
     return PolicyArtifact(hidden, (head_w.astype(np.float32), head_b.astype(np.float32)),
                           meta)
-
-
-def _block_diagonal(blocks: Sequence[np.ndarray]) -> np.ndarray:
-    rows = sum(b.shape[0] for b in blocks)
-    cols = sum(b.shape[1] for b in blocks)
-    out = np.zeros((rows, cols), dtype=np.float32)
-    r = c = 0
-    for b in blocks:
-        out[r:r + b.shape[0], c:c + b.shape[1]] = b
-        r += b.shape[0]
-        c += b.shape[1]
-    return out
 
 
 def save_ensemble(paths: Sequence[str | Path], out: Path,

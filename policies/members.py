@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,13 +49,7 @@ def finished(cfg: RecipeConfig) -> dict[str, Any] | None:
         return None
     try:
         summary = json.loads(path.read_text())
-        stored = summary["config"]
-        names = {f.name for f in fields(RecipeConfig)}
-        if not set(stored) <= names:  # written by a recipe with other options
-            return None
-        values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
-                                  for k, v in stored.items()}
-        done = RecipeConfig(**values)
+        done = RecipeConfig.from_record(summary["config"])
     except (json.JSONDecodeError, KeyError, TypeError, ValueError):
         return None
     if replace(done, out=cfg.out) != cfg or not (Path(cfg.out) / "best" / "policy.json").exists():
@@ -105,13 +99,10 @@ def run_members(cfg: RecipeConfig, log: Callable[[str, float, int], None] | None
             say(f"member {k + 1} of {cfg.members} (seed {member.seed}) in {member.out}")
             summary = run_recipe(member, _prefixed(log, f"member-{k}/"),
                                  _prefixed_say(progress, f"member {k}: "), ray)
-        scores = summary["selection_scores"]
-        chosen = max(range(len(scores)), key=lambda i: (scores[i], i))  # run_recipe's rule
         # the member's own folder, also for a run moved there after it finished
         members.append({"seed": member.seed, "out": member.out,
                         "best": str(Path(member.out) / "best" / "policy.json"),
-                        "selection_score": scores[chosen],
-                        "chosen_checkpoint": summary["checkpoints"][chosen],
+                        "selection_score": max(summary["selection_scores"]),
                         "decisions": summary["decisions"], "wall_s": summary["wall_s"],
                         "reused": reused})
     say(f"merging {cfg.members} members' students into {out / 'best'}")

@@ -26,7 +26,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -183,6 +183,23 @@ class RecipeConfig:
             load_gpu(gpu)
             load_model(model)
         self.student_codec()  # and a bad share ladder
+
+    @classmethod
+    def from_record(cls, recorded: dict[str, Any], *, ignore_unknown: bool = False
+                    ) -> RecipeConfig:
+        """The configuration a run recorded (``recipe.json``'s ``config``; JSON lists back to
+        tuples).
+
+        :param ignore_unknown: drop options this version does not know instead of refusing.
+        :raises ValueError: an unknown option (unless ignored) or an invalid value.
+        """
+        known = {f.name for f in fields(cls)}
+        if (unknown := set(recorded) - known) and not ignore_unknown:
+            raise ValueError(f"recorded options this recipe does not know: "
+                             f"{', '.join(sorted(unknown))}")
+        values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
+                                  for k, v in recorded.items() if k in known}
+        return cls(**values)
 
     def train_deployments(self) -> list[tuple[str, str]]:
         """``(gpu, model)`` of every deployment trained on; the first is ``gpu``/``model``

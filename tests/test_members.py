@@ -87,5 +87,10 @@ def test_a_member_of_other_options_is_not_reused(small_trace: Path, tmp_path: Pa
     assert finished(replace(cfg, out=str(tmp_path / "elsewhere"))) is None  # nothing there
     assert finished(replace(cfg, epochs=3)) is None
     assert finished(replace(cfg, seed=2)) is None
+    recorded = json.loads((tmp_path / "recipe.json").read_text())["config"]
+    assert RecipeConfig.from_record(recorded) == cfg
+    with pytest.raises(ValueError, match="does not know: bogus"):
+        RecipeConfig.from_record({**recorded, "bogus": 1})
+    assert RecipeConfig.from_record({**recorded, "bogus": 1}, ignore_unknown=True) == cfg
     (tmp_path / "best" / "policy.json").unlink()
     assert finished(cfg) is None
