@@ -158,6 +158,20 @@ def test_event_skipping_equals_stepping_two_pools_two_replicas(azure_trace: Path
     assert on.records and _records_by_id(on.records) == _records_by_id(off.records)
 
 
+# Behind the KV budget the queue's head can be held back by one engine and taken by the
+# other, after which the first may admit the next request at its next boundary: a skipping
+# engine must not run past the other engines' boundaries while requests are queued.
+@pytest.mark.parametrize("controller", ["fixed:256", "fixed:64/64/8/8"])
+def test_event_skipping_equals_stepping_two_pools_kv_budget(controller: str) -> None:
+    workload = _night_overflow_workload()
+    spec = DeploymentSpec(pools={"fp16": 1, "fp8": 1}, num_kv_blocks=600)
+
+    on = run(workload, make_controller(controller), spec)
+    off = run(workload, make_controller(controller), replace(spec, event_skipping=False))
+    assert on.records and _records_by_id(on.records) == _records_by_id(off.records)
+    assert on.row["guard_overrides"] and off.row["preemptions"] == 0
+
+
 @pytest.mark.parametrize("controller", ["static:4", "static:64", "vllm-default"])
 def test_no_request_lost_and_kv_within_capacity(controller: str) -> None:
     workload = _night_overflow_workload()

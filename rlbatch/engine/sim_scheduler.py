@@ -61,15 +61,19 @@ class SimScheduler(ExactScheduler):
         self._prefilled = False
 
     # ----------------------------------------------------------------- one call
-    def step(self, bound_s: float) -> None:
+    def step(self, bound_s: float, skip_before_s: float = math.inf) -> None:
         """Run one iteration; with event skipping, if it was pure decode, also the pure-decode
         iterations that follow and start before ``bound_s``, up to (not including) the next
         one in which a request finishes (the Engine protocol's contract: a caller that reads
         the engine after every step sees each completion's iteration on its own).
 
-        :param bound_s: no skipped iteration starts at or after this time.
+        :param bound_s: no skipped iteration starts at or after this time; a wait for copies
+            from the host tier ends there at the latest.
+        :param skip_before_s: no skipped iteration starts at or after this time either (a
+            caller with something to do then that does not end a wait: another engine's
+            boundary).
         """
-        self._run(bound_s, greedy=False)
+        self._run(bound_s, greedy=False, skip_bound_s=min(bound_s, skip_before_s))
 
     def advance(self, bound_s: float, then_s: float = -math.inf) -> None:
         """As :meth:`step`, for a caller that only needs the engine exact at the boundaries
@@ -89,19 +93,20 @@ class SimScheduler(ExactScheduler):
             if self._now == before:
                 return  # nothing could run (the exact path's empty iteration)
 
-    def _run(self, bound_s: float, greedy: bool) -> None:
+    def _run(self, bound_s: float, greedy: bool, skip_bound_s: float | None = None) -> None:
         if not self.event_skipping:
             self._iterate_exact(bound_s)
             return
-        if self._decode_run and (greedy or not self._prefilled) and self._skip(bound_s, greedy):
+        skip_to = bound_s if skip_bound_s is None else skip_bound_s
+        if self._decode_run and (greedy or not self._prefilled) and self._skip(skip_to, greedy):
             return
         if not self._iterate_lane(bound_s):
             self._leave_lane()
             self._iterate_exact(bound_s)
             self._explicit = list(self._running)
             self._decode_run = False
-        if self._decode_run and (greedy or not self._prefilled) and self._now < bound_s:
-            self._skip(bound_s, greedy)
+        if self._decode_run and (greedy or not self._prefilled) and self._now < skip_to:
+            self._skip(skip_to, greedy)
 
     def _leave_lane(self) -> None:
         """Every running request back to its own fields (the lane's reserve growths

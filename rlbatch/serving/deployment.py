@@ -5,8 +5,9 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from rlbatch.buckets import Buckets
 from rlbatch.control.types import SLA, ControlAction, DeploymentInfo
@@ -130,6 +131,11 @@ class Deployment:
         # out in another order).
         self._advance = {id(e): getattr(e, "advance", e.step) if single is not None else e.step
                          for e in self.engines}
+        # Several skipping engines sharing queued requests: each one's skipped iterations
+        # stop at the others' boundaries (see _before_other_boundaries).
+        self._skip_cut: dict[int, Callable[[float, float], None]] = {
+            id(e): cast("Callable[[float, float], None]", e.step) for e in self.engines
+            if single is None and getattr(e, "event_skipping", False)}
         skips = getattr(single, "event_skipping", False)
         self._holds = getattr(single, "holds_new_arrivals", None) if skips else None
         self._run_on = getattr(single, "advance", None) if skips else None
@@ -193,6 +199,7 @@ class Deployment:
         advance = self._advance
         run_on = self._run_on
         idx = self._next
+        skip_cut = self._skip_cut
         while True:
             eng = single if single is not None else min(
                 engines, key=lambda e: (e.now_s, e.engine_id))
@@ -208,6 +215,8 @@ class Deployment:
                 bound = t_stop
             if eng.is_idle():
                 eng.advance_idle(bound)
+            elif id(eng) in skip_cut and any(admission.queues):
+                skip_cut[id(eng)](bound, _before_other_boundaries(eng, engines, now, bound))
             elif run_on is not None:
                 # One skipping engine: past arrivals that cannot change its running requests,
                 # and on through boundaries where nothing is to be done here.
@@ -261,6 +270,23 @@ class Deployment:
             close = getattr(engine, "close", None)
             if close is not None:
                 close()
+
+
+def _before_other_boundaries(engine: Engine, engines: list[Engine], now: float,
+                             bound: float) -> float:
+    """``bound`` cut to the earliest boundary of the other engines (``engine`` is at the
+    earliest one, ``now``): there one of them may take the queued request ``engine`` is held
+    back on (its KV budget, a bucket cap), after which stepping admits the next one into
+    ``engine`` at its next boundary, so no iteration of ``engine`` that starts later may be
+    skipped. At a tie the cut lies just past ``now``: one iteration, none skipped. Waits are
+    not cut (``step``'s ``skip_before_s``): the request-by-request reference does not cut
+    them either."""
+    for other in engines:
+        if other is not engine:
+            start = other.now_s
+            if start < bound:
+                bound = start if start > now else math.nextafter(now, math.inf)
+    return bound
 
 
 def describe_deployment(*, pools: dict[str, int], num_kv_blocks: dict[str, int],
