@@ -36,6 +36,19 @@ def starved_buckets(row: dict[str, Any], reference: dict[str, Any]) -> list[str]
     return [b for b, v in ref.items() if b in mine and mine[b] < v - FAIRNESS_POINTS]
 
 
+def starved_shortfalls(row: dict[str, Any], reference: dict[str, Any]) -> list[str]:
+    """:func:`starved_buckets`, each with how many requests the gap is: ``4k+ (4 of 74)``
+    when ``reference`` met the SLA for 4 more of the bucket's 74 decided requests (a 5-point
+    gap on a small bucket is a handful of requests; the reader should see which)."""
+    out = []
+    for name in starved_buckets(row, reference):
+        bucket = reference["per_bucket"][name]
+        decided = int(bucket.get("completed", 0)) + int(bucket.get("rejected", 0))
+        gap = _attainments(reference)[name] - _attainments(row)[name]
+        out.append(f"{name} ({round(gap * decided)} of {decided})")
+    return out
+
+
 def user_pick_static(rows: Sequence[dict[str, Any]], training_traces: Sequence[str]) -> str:
     """The one static cap a user would pick on the training traffic: the best mean goodput
     over the training-trace runs (all rate scales)."""

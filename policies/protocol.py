@@ -23,7 +23,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from policies.compare import CONTESTED, compare, starved_buckets
+from policies.compare import CONTESTED, compare, starved_shortfalls
 from rlbatch.commands.options import add_deployment_options, deployment_spec_from_args
 from rlbatch.paths import traces_dir
 from rlbatch.serving.deployment import DeploymentSpec
@@ -277,7 +277,8 @@ def render(rows: Sequence[dict[str, Any]], candidates: Sequence[str], pick: str)
     index = {(r["trace"], float(r["rate_scale"]), r["controller"]): r for r in rows}
     buckets = list(next(iter(rows))["per_bucket"]) if rows else []
     parts = [f"User's pick (best mean goodput over the non-collapsed training runs): {pick}.",
-             ""]
+             "Starved: a bucket whose SLA attainment is more than 5 points under the best "
+             "static's, with the gap in requests (N of the bucket's decided requests).", ""]
     for cand in candidates:
         result = judge(rows, cand, pick)
         parts += [f"### {cand}", "",
@@ -295,7 +296,7 @@ def render(rows: Sequence[dict[str, Any]], candidates: Sequence[str], pick: str)
                 f"{v['vs_best_static']:.2f}x | {v['vs_user_pick']:.2f}x | "
                 f"{v['vs_baseline']:.2f}x | {' / '.join(_bucket_cells(mine))} | "
                 f"{' / '.join(_bucket_cells(best))} | "
-                f"{', '.join(starved_buckets(mine, best)) or '-'} | {v['kv_overflows']} |")
+                f"{', '.join(starved_shortfalls(mine, best)) or '-'} | {v['kv_overflows']} |")
         s = result["summary"]
         parts += ["", f"Contested runs: {s['contested_runs']}; goodput vs best static: "
                   f"geo-mean {s['vs_best_static_gmean']:.2f}x, worst run "

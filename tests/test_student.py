@@ -167,6 +167,17 @@ def test_judge_fails_a_starving_candidate() -> None:
     assert not math.isnan(judge(fair, "cand", "static:64")["summary"]["vs_playbook_gmean"])
 
 
+def test_starved_buckets_name_their_gap_in_requests() -> None:
+    from policies.compare import starved_shortfalls
+
+    best = _row("static:64", "u", 1.0, 2.0, 0.5, {"a": 0.5, "b": 0.9})
+    best["per_bucket"]["b"].update(completed=70, rejected=4)
+    mine = _row("cand", "u", 1.0, 2.0, 0.5, {"a": 0.46, "b": 0.81})
+    # a: 4 points under, not starved; b: 9 points of 74 decided requests = 7 requests
+    assert starved_shortfalls(mine, best) == ["b (7 of 74)"]
+    assert starved_shortfalls(best, best) == []
+
+
 def test_mpc_teacher_exposes_its_proposal() -> None:
     teacher = make_controller("mpc")
     assert hasattr(teacher, "last_proposal")
