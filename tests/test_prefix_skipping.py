@@ -163,3 +163,22 @@ def test_mooncake_slice_host_tier_skipping_equals_stepping(controller: str,
     # the slice's loads come from preempted requests' own blocks (its first admissions
     # share little), evicted from the GPU and found in the host pool
     assert on.row["kv_offload_loaded_blocks"] > 0 and on.row["kv_offload_evictions"] > 0
+
+
+@pytest.mark.parametrize("controller", ["fixed:64", "fixed:256"])
+def test_two_pools_host_tier_behind_the_kv_budget_skipping_equals_stepping(
+        controller: str, mooncake_trace: Path) -> None:
+    # Two engines share the queue behind the KV budget while each loads from its host tier:
+    # a skipping engine stops at the other's boundaries, its waits for copies do not.
+    workload = load_trace(mooncake_trace, window_s=(0.0, 90.0), rate_scale=0.5)
+    spec = DeploymentSpec(model="llama-3.1-8b", num_kv_blocks=3000, max_model_len=32768,
+                          pools={"fp16": 1, "fp8": 1},
+                          admission=AdmissionConfig(over_length="truncate"), kv_offload_gib=8)
+    on = run(workload, make_controller(controller), spec)
+    off = run(workload, make_controller(controller), replace(spec, event_skipping=False))
+    assert {r.request_id: r.comparable() for r in on.records} == {
+        r.request_id: r.comparable() for r in off.records}
+    for key, value in on.row.items():
+        if key.startswith(("kv_offload_", "prefix_cache_")) or key.endswith("_tokens"):
+            assert value == off.row[key], key
+    assert on.row["kv_offload_loaded_blocks"] > 0
