@@ -131,8 +131,9 @@ class Deployment:
         # out in another order).
         self._advance = {id(e): getattr(e, "advance", e.step) if single is not None else e.step
                          for e in self.engines}
-        # Several skipping engines sharing queued requests: each one's skipped iterations
-        # stop at the others' boundaries (see _before_other_boundaries).
+        # Several skipping engines sharing queued requests: while the KV budget holds one's
+        # queue back, its skipped iterations stop at the others' boundaries
+        # (see _before_other_boundaries).
         self._skip_cut: dict[int, Callable[[float, float], None]] = {
             id(e): cast("Callable[[float, float], None]", e.step) for e in self.engines
             if single is None and getattr(e, "event_skipping", False)}
@@ -215,7 +216,7 @@ class Deployment:
                 bound = t_stop
             if eng.is_idle():
                 eng.advance_idle(bound)
-            elif id(eng) in skip_cut and any(admission.queues):
+            elif id(eng) in skip_cut and admission.budget_blocked:
                 skip_cut[id(eng)](bound, _before_other_boundaries(eng, engines, now, bound))
             elif run_on is not None:
                 # One skipping engine: past arrivals that cannot change its running requests,
@@ -275,12 +276,13 @@ class Deployment:
 def _before_other_boundaries(engine: Engine, engines: list[Engine], now: float,
                              bound: float) -> float:
     """``bound`` cut to the earliest boundary of the other engines (``engine`` is at the
-    earliest one, ``now``): there one of them may take the queued request ``engine`` is held
-    back on (its KV budget, a bucket cap), after which stepping admits the next one into
+    earliest one, ``now``, and its KV budget holds the oldest eligible request back): there
+    one of them may take that request, after which stepping admits the next one into
     ``engine`` at its next boundary, so no iteration of ``engine`` that starts later may be
-    skipped. At a tie the cut lies just past ``now``: one iteration, none skipped. Waits are
-    not cut (``step``'s ``skip_before_s``): the request-by-request reference does not cut
-    them either."""
+    skipped. (A queue closed to ``engine`` by its caps or routes stays closed whatever the
+    others take, until something here finishes.) At a tie the cut lies just past ``now``:
+    one iteration, none skipped. Waits are not cut (``step``'s ``skip_before_s``): the
+    request-by-request reference does not cut them either."""
     for other in engines:
         if other is not engine:
             start = other.now_s

@@ -1,0 +1,137 @@
+"""Random small deployments, run with event skipping and request by request: every record,
+counter and rejection must agree (several engines sharing queues, caps, routes, KV budgets,
+prefix caching and host tiers, actions changing every tick)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+from typing import Any
+
+import pytest
+
+from rlbatch.buckets import Buckets
+from rlbatch.control.types import ANY_POOL, ControlAction
+from rlbatch.engine.config import EngineConfig
+from rlbatch.engine.host_tier import HostLink
+from rlbatch.engine.reserve import KV_RESERVE_MODES
+from rlbatch.engine.sim import SimEngine
+from rlbatch.profiles import StepTimeModel
+from rlbatch.request import Request
+from rlbatch.serving.admission import AdmissionConfig
+from rlbatch.serving.deployment import assemble_deployment
+
+MAX_MODEL_LEN = 2048
+
+
+class _Linear(StepTimeModel):
+    """A linear step time, scaled per pool (an FP8 pool runs faster here)."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def step_time_s(self, prefill_tokens: int, attn_work: float, num_decode: int,
+                    kv_decode: int) -> float:
+        return self.scale * (0.0061 + 1.7e-5 * prefill_tokens + 3.1e-9 * attn_work
+                             + 1.3e-4 * num_decode + 1.1e-7 * kv_decode)
+
+    def decode_coefficients(self, num_decode: int) -> tuple[float, float]:
+        return self.scale * (0.0053 + 1.3e-4 * num_decode), self.scale * 1.1e-7
+
+
+@dataclass
+class _Case:
+    config: EngineConfig
+    link: HostLink | None
+    blocks: int
+    requests: list[Request]
+    pools: list[str]
+    scales: dict[str, float]
+    actions: list[ControlAction]
+    tick_s: float
+
+
+def _case(seed: int, engines: int | None = None) -> _Case:
+    r = random.Random(seed)
+    names = ["fp16", "fp8"][:r.choice([1, 2])]
+    n = r.choice([2, 2, 3, 4])
+    if engines is not None:
+        names, n = names[:1] if engines == 1 else names, engines
+    pools = sorted((names[i % len(names)] for i in range(n)), key=names.index)
+    scales = {"fp16": 1.0, "fp8": r.choice([1.0, 0.7, 0.55])}
+    config = EngineConfig(max_num_seqs=r.choice([2, 4, 8, 32]),
+                          max_num_batched_tokens=r.choice([96, 256, 700, 2048]),
+                          kv_reserve=r.choice(KV_RESERVE_MODES))
+    link = None
+    if r.random() < 0.5:
+        link = HostLink(block_bytes=1 << 20, load_s_per_block=r.choice([1e-4, 2e-3, 0.02]))
+        config = replace(config, kv_offload_gib=r.choice([20, 60, 150, 1000]) / 1024)
+    if r.random() < 0.2 and link is None:
+        config = replace(config, enable_prefix_caching=False)
+    blocks = r.choice([130, 200, 400, 1000])
+    t = 0.0
+    requests = []
+    for i in range(r.randint(40, 150)):
+        t += r.expovariate(r.choice([5.0, 20.0, 200.0]))
+        prompt = r.randint(1, 1900)
+        output = r.randint(1, min(150, MAX_MODEL_LEN - prompt))
+        ids = (tuple(10 * d + r.randint(0, 2) for d in range(-(-prompt // 512)))
+               if r.random() < 0.8 else None)
+        requests.append(Request(i, t, prompt, output, prefix_ids=ids))
+    routes = names + ([ANY_POOL] if len(names) > 1 else [])
+    actions = [ControlAction(tuple(r.choice([None, 1, 2, 4, 8, 32]) for _ in range(4)),
+                             tuple(r.choice(routes) for _ in range(4)), None,
+                             r.choice([None, 0.3, 0.5, 0.7, 0.9, 1.0]))
+               for _ in range(2000)]
+    return _Case(config, link, blocks, requests, pools, scales, actions,
+                 r.choice([0.25, 1.0]))
+
+
+def _drive(case: _Case, skipping: bool) -> list[Any]:
+    """Everything observable, tick by tick, until the deployment is done."""
+    engines = [SimEngine(i, pool, case.config, _Linear(case.scales[pool]),
+                         num_kv_blocks=case.blocks, max_model_len=MAX_MODEL_LEN,
+                         gpu_memory_total_bytes=1 << 30, num_buckets=4,
+                         event_skipping=skipping, host_link=case.link)
+               for i, pool in enumerate(case.pools)]
+    deployment = assemble_deployment(
+        engines, buckets=Buckets(edges=(300, 700, 1200)),
+        admission=AdmissionConfig(over_length="truncate"), gpu="test", model="test",
+        max_model_len=MAX_MODEL_LEN, block_size=case.config.block_size,
+        default_max_num_seqs=case.config.max_num_seqs,
+        max_num_batched_tokens=case.config.max_num_batched_tokens, tick_s=case.tick_s)
+    deployment.load(case.requests)
+    seen: list[Any] = []
+    for k, action in enumerate(case.actions):
+        if deployment.done():
+            break
+        deployment.apply(action)
+        deployment.run_until((k + 1) * case.tick_s)
+        for snap in deployment.snapshot():
+            seen.extend(f.comparable() for f in snap.finished)
+            seen.append((snap.preemptions, snap.prefill_tokens, snap.decode_tokens,
+                         snap.kv_offload_loaded_blocks))
+        seen.extend(x.comparable() for x in deployment.admission.take_rejected())
+        counters = deployment.admission.take_counters()
+        seen.append((counters.arrived, counters.rejected, counters.kv_budget_blocked))
+    assert deployment.done()
+    return seen
+
+
+# Seed 9 also pins that waits for host copies are not cut at other engines' boundaries
+# (cutting them there makes the skipping run creep forward by one float step per call).
+@pytest.mark.parametrize("seed", range(40))
+def test_several_engines_skipping_equals_stepping(seed: int) -> None:
+    case = _case(seed)
+    assert _drive(case, True) == _drive(case, False)
+
+
+# Known, not fixed (BENCHMARKS.md, issue 12, stop 19): (1) one engine with a host tier: an
+# arrival the engine ran past during a wait for a copy is submitted in the next tick, under
+# its caps; (2) PrefixCache.register reads a group's blocks without applying pending
+# evictions, so its result depends on when a lookup last synced (skipping looks up more).
+@pytest.mark.parametrize("seed, engines", [(3997, 1), (2789, None)])
+@pytest.mark.xfail(strict=True, reason="known skipping != stepping bugs, see comment")
+def test_known_skipping_mismatches(seed: int, engines: int | None) -> None:
+    case = _case(seed, engines)
+    assert _drive(case, True) == _drive(case, False)
