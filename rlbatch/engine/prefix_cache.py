@@ -300,7 +300,8 @@ class PrefixCache:
             if take > top:
                 self._take_free(group, top, take)
 
-    def register(self, layout: Layout, extents: list[int], done: int, end: int) -> int:
+    def register(self, layout: Layout, extents: list[int], done: int, end: int,
+                 free: int) -> int:
         """A request's blocks ``[done, end)`` are filled by the tokens just scheduled: in each
         group where it holds every block it filled so far and the blocks present end, they
         become present and held; elsewhere they stay without a hash (computed twice).
@@ -309,8 +310,11 @@ class PrefixCache:
         :param extents: its blocks held per group (updated).
         :param done: its blocks registered so far.
         :param end: its blocks filled now (at most its hashed ones).
+        :param free: the engine's free blocks now (the allocations so far evict first: a
+            group's present blocks are read after them, as vLLM's eager free queue has them).
         :returns: how many more cached blocks it holds.
         """
+        self.sync(free)
         keys, sizes, ends = layout
         groups = self._groups
         index = bisect_right(ends, done)

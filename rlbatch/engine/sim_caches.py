@@ -176,14 +176,14 @@ class CacheScheduler:
             free -= need
             seq.blocks += need
             del loading[i]
-            self._start(seq, n, sched, admitted)
+            self._start(seq, n, sched, admitted, free)
             prefill_tokens += n
             attn_work += n * (seq.num_computed + (n + 1) / 2)
             budget -= n
         return budget, free, prefill_tokens, attn_work, False
 
     def _start(self, seq: SimSeq, n: int, sched: list[tuple[SimSeq, int]],
-               admitted: list[SimSeq] | None) -> None:
+               admitted: list[SimSeq] | None, free: int) -> None:
         """``seq`` joins the running list with ``n`` tokens scheduled this iteration (once
         per admission, from the waiting queue or the loading list); the blocks those tokens
         fill get their hashes."""
@@ -195,7 +195,7 @@ class CacheScheduler:
         if admitted is not None:
             admitted.append(seq)
         if seq.uncached:
-            self._register(seq, seq.num_computed + n)
+            self._register(seq, seq.num_computed + n, free)
 
     def _wait_for_loads(self, bound_s: float) -> None:
         """Nothing can run: the clock goes to the first copy's completion (or ``bound_s``,
@@ -225,9 +225,9 @@ class CacheScheduler:
             seq.uncached = layout[2][-1] if layout[2] else 0
         return layout
 
-    def _register(self, seq: SimSeq, tokens: int) -> None:
+    def _register(self, seq: SimSeq, tokens: int, free: int) -> None:
         """The blocks a request's first ``tokens`` fill get their hashes (when scheduled, as
-        vLLM's ``cache_blocks``)."""
+        vLLM's ``cache_blocks``); the engine has ``free`` free blocks now."""
         cache = self._cache
         layout = seq.layout
         assert cache is not None and layout is not None
@@ -237,7 +237,7 @@ class CacheScheduler:
         if end > done:
             if end > total:
                 end = total
-            seq.cached += cache.register(layout, seq.extents, done, end)
+            seq.cached += cache.register(layout, seq.extents, done, end, free)
             seq.uncached = total - end
             if self._host is not None and seq.host_done < end:
                 self._offer(seq, layout, seq.host_done, end)

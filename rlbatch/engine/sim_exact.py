@@ -181,7 +181,7 @@ class ExactScheduler(CacheScheduler):
                 seq.blocks += need
             sched.append((seq, n))
             if seq.uncached:
-                self._register(seq, seq.num_computed + n)
+                self._register(seq, seq.num_computed + n, free)
             if remaining == 1 and seq.num_computed > 0:
                 num_decode += 1
                 kv_decode += seq.num_computed + 1
@@ -246,7 +246,7 @@ class ExactScheduler(CacheScheduler):
             if n < 0:  # its prefix is copied from the host tier first
                 self._loading.append(seq)
                 continue
-            self._start(seq, n, sched, admitted)
+            self._start(seq, n, sched, admitted, free)
             prefill_tokens += n
             attn_work += n * (seq.num_computed + (n + 1) / 2)
             budget -= n

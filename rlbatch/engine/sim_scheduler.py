@@ -159,7 +159,7 @@ class SimScheduler(ExactScheduler):
                 seq.blocks += need
                 sched.append((seq, n))
                 if seq.uncached:
-                    self._register(seq, seq.num_computed + n)
+                    self._register(seq, seq.num_computed + n, free)
                 if remaining == 1 and seq.num_computed > 0:
                     num_decode += 1
                     kv_decode += seq.num_computed + 1
