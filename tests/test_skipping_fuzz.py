@@ -134,12 +134,11 @@ def test_several_engines_prefix_registration_skipping_equals_stepping(seed: int)
     assert _drive(case, True) == _drive(case, False)
 
 
-# Known, not fixed (BENCHMARKS.md, issue 14, stop 19): one engine with a host tier: an
-# arrival the engine ran past during a wait for a copy is submitted in the next tick, under
-# that tick's caps (Deployment.run_until submits passed-over arrivals only up to the last
-# iteration's start, which a wait does not move).
-@pytest.mark.parametrize("seed, engines", [(3997, 1), (9, 1)])
-@pytest.mark.xfail(strict=True, reason="known skipping != stepping bug, see comment")
-def test_known_skipping_mismatches(seed: int, engines: int | None) -> None:
-    case = _case(seed, engines)
+# One engine with a host tier: stepping ends a wait for a copy at every arrival, so an
+# arrival the skipping engine waited past belongs to the tick it came in (seeds 3997 and 9
+# were submitted a tick late, under the next tick's caps).
+@pytest.mark.parametrize("seed", [9, 176, 197, 3997])
+def test_one_engine_host_tier_waits_skipping_equals_stepping(seed: int) -> None:
+    case = _case(seed, engines=1)
+    assert case.link is not None
     assert _drive(case, True) == _drive(case, False)

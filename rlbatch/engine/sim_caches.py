@@ -20,6 +20,8 @@ what happens to a request's blocks as the scheduler admits, runs and releases it
 
 from __future__ import annotations
 
+import math
+
 from rlbatch.engine.config import EngineConfig
 from rlbatch.engine.host_tier import HostLink, HostTier, host_capacity_blocks
 from rlbatch.engine.prefix_cache import Layout, PrefixCache, prefix_layout
@@ -39,6 +41,7 @@ class CacheScheduler:
     _budget: int
     _max_num_seqs: int
     _now: float
+    _last_start: float
     _order: int
     _running: list[SimSeq]
     _in_running: list[int]
@@ -204,6 +207,11 @@ class CacheScheduler:
         to_s = ready if ready < bound_s else bound_s
         if to_s > self._now:
             self._now = to_s
+        # Stepping ends a wait at every arrival: those the caller let this one run past (one
+        # skipping engine) were due at a boundary before its end (at ``bound_s``: after).
+        end = to_s if to_s < bound_s else math.nextafter(bound_s, -math.inf)
+        if end > self._last_start:
+            self._last_start = end
 
     def _offer(self, seq: SimSeq, layout: Layout, low: int, high: int) -> None:
         """A request's blocks ``[low, high)`` are offered to the host tier."""
