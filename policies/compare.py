@@ -40,12 +40,12 @@ def starved_shortfalls(row: dict[str, Any], reference: dict[str, Any]) -> list[s
     """:func:`starved_buckets`, each with how many requests the gap is: ``4k+ (4 of 74)``
     when ``reference`` met the SLA for 4 more of the bucket's 74 decided requests (a 5-point
     gap on a small bucket is a handful of requests; the reader should see which)."""
+    mine, ref = _attainments(row), _attainments(reference)
     out = []
     for name in starved_buckets(row, reference):
         bucket = reference["per_bucket"][name]
         decided = int(bucket.get("completed", 0)) + int(bucket.get("rejected", 0))
-        gap = _attainments(reference)[name] - _attainments(row)[name]
-        out.append(f"{name} ({round(gap * decided)} of {decided})")
+        out.append(f"{name} ({round((ref[name] - mine[name]) * decided)} of {decided})")
     return out
 
 

@@ -24,15 +24,21 @@ from tests.factories import assert_skipping_equals_stepping, replay
 
 
 class LinearStep(StepTimeModel):
-    """Step times that depend on everything (so float sums in any other order would show)."""
+    """Step times that depend on everything (so float sums in any other order would show).
+
+    :param scale: every time multiplied by this (pools of different speeds).
+    """
+
+    def __init__(self, scale: float = 1.0) -> None:
+        self.scale = scale
 
     def step_time_s(self, num_prefill_tokens: int, prefill_attn_work: float,
                     num_decode_seqs: int, decode_kv_tokens: int) -> float:
-        return (0.0061 + 1.7e-5 * num_prefill_tokens + 3.1e-9 * prefill_attn_work
-                + 1.3e-4 * num_decode_seqs + 1.1e-7 * decode_kv_tokens)
+        return self.scale * (0.0061 + 1.7e-5 * num_prefill_tokens + 3.1e-9 * prefill_attn_work
+                             + 1.3e-4 * num_decode_seqs + 1.1e-7 * decode_kv_tokens)
 
     def decode_coefficients(self, num_decode_seqs: int) -> tuple[float, float]:
-        return 0.0053 + 1.3e-4 * num_decode_seqs, 1.1e-7
+        return self.scale * (0.0053 + 1.3e-4 * num_decode_seqs), self.scale * 1.1e-7
 
 
 def _case(seed: int) -> tuple[EngineConfig, int, list[Request], list[int]]:

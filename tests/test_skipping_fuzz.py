@@ -16,27 +16,12 @@ from rlbatch.engine.config import EngineConfig
 from rlbatch.engine.host_tier import HostLink
 from rlbatch.engine.reserve import KV_RESERVE_MODES
 from rlbatch.engine.sim import SimEngine
-from rlbatch.profiles import StepTimeModel
 from rlbatch.request import Request
 from rlbatch.serving.admission import AdmissionConfig
 from rlbatch.serving.deployment import assemble_deployment
+from tests.test_sim_lane import LinearStep
 
 MAX_MODEL_LEN = 2048
-
-
-class _Linear(StepTimeModel):
-    """A linear step time, scaled per pool (an FP8 pool runs faster here)."""
-
-    def __init__(self, scale: float) -> None:
-        self.scale = scale
-
-    def step_time_s(self, prefill_tokens: int, attn_work: float, num_decode: int,
-                    kv_decode: int) -> float:
-        return self.scale * (0.0061 + 1.7e-5 * prefill_tokens + 3.1e-9 * attn_work
-                             + 1.3e-4 * num_decode + 1.1e-7 * kv_decode)
-
-    def decode_coefficients(self, num_decode: int) -> tuple[float, float]:
-        return self.scale * (0.0053 + 1.3e-4 * num_decode), self.scale * 1.1e-7
 
 
 @dataclass
@@ -89,7 +74,7 @@ def _case(seed: int, engines: int | None = None) -> _Case:
 
 def _drive(case: _Case, skipping: bool) -> list[Any]:
     """Everything observable, tick by tick, until the deployment is done."""
-    engines = [SimEngine(i, pool, case.config, _Linear(case.scales[pool]),
+    engines = [SimEngine(i, pool, case.config, LinearStep(case.scales[pool]),
                          num_kv_blocks=case.blocks, max_model_len=MAX_MODEL_LEN,
                          gpu_memory_total_bytes=1 << 30, num_buckets=4,
                          event_skipping=skipping, host_link=case.link)

@@ -73,7 +73,7 @@ class SimScheduler(ExactScheduler):
             caller with something to do then that does not end a wait: another engine's
             boundary).
         """
-        self._run(bound_s, greedy=False, skip_bound_s=min(bound_s, skip_before_s))
+        self._run(bound_s, False, bound_s if bound_s < skip_before_s else skip_before_s)
 
     def advance(self, bound_s: float, then_s: float = -math.inf) -> None:
         """As :meth:`step`, for a caller that only needs the engine exact at the boundaries
@@ -86,18 +86,19 @@ class SimScheduler(ExactScheduler):
             arrival due, nothing queued outside the engine): the engine goes on, iteration
             after iteration, until one would start at or after it (or it is idle).
         """
-        self._run(bound_s, True)
+        self._run(bound_s, True, bound_s)
         while self._now < then_s and (self._running or self._waiting or self._loading):
             before = self._now
-            self._run(then_s, True)
+            self._run(then_s, True, then_s)
             if self._now == before:
                 return  # nothing could run (the exact path's empty iteration)
 
-    def _run(self, bound_s: float, greedy: bool, skip_bound_s: float | None = None) -> None:
+    def _run(self, bound_s: float, greedy: bool, skip_to: float) -> None:
+        """One iteration (a wait ends at ``bound_s`` at the latest), and with event skipping
+        the pure-decode iterations that start before ``skip_to`` (<= ``bound_s``)."""
         if not self.event_skipping:
             self._iterate_exact(bound_s)
             return
-        skip_to = bound_s if skip_bound_s is None else skip_bound_s
         if self._decode_run and (greedy or not self._prefilled) and self._skip(skip_to, greedy):
             return
         if not self._iterate_lane(bound_s):
