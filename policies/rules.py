@@ -50,8 +50,11 @@ class GuardedController:
 # size inflates. Applied to TTFT too (``playbook:literal``) one queueing burst trips it, cap 1
 # then grows the queue, P99 never recovers and the service collapses (measured: night
 # scenario, 2 of 3 seeds).
-PLAYBOOK_GUARD = GuardConfig(p99_metrics=("tpot",), p99_fallback="no_batching")
-PLAYBOOK_LITERAL_GUARD = GuardConfig(p99_metrics=("ttft", "tpot"), p99_fallback="no_batching")
+# The guide reserves headroom for every admitted request's growth: the sum of the counts
+PLAYBOOK_GUARD = GuardConfig(p99_metrics=("tpot",), p99_fallback="no_batching",
+                             kv_commit="final")
+PLAYBOOK_LITERAL_GUARD = GuardConfig(p99_metrics=("ttft", "tpot"), p99_fallback="no_batching",
+                                     kv_commit="final")
 
 
 class PlaybookController(GuardedController):
@@ -249,6 +252,7 @@ def fixed_factory(arg: str) -> FixedController:
     ``nokv_high``, ``nop99``, ``noefficiency``, ``nokv_budget``), ``unguarded`` switches them
     all off (sanitising stays), ``proportional`` / ``halve`` / ``no_batching`` choose the
     P99 fallback, ``kv_budget=F`` sets the committed-KV budget's fraction of the pool,
+    ``commit=final`` / ``commit=peak`` what that budget counts (``GuardConfig.kv_commit``),
     ``surge=R`` the surge ratio of the proportional fallback (``surge=0``: trim long buckets
     whether or not they surge, the rule before issue 14's stop 8).
     Examples: ``fixed:64``, ``fixed:64/64/64/64``, ``fixed:64:nop99``, ``fixed:256:surge=0``,
@@ -280,6 +284,8 @@ def fixed_factory(arg: str) -> FixedController:
             changes[option[2:]] = False
         elif option in _FALLBACKS:
             changes["p99_fallback"] = option
+        elif option.partition("=")[0] == "commit":
+            changes["kv_commit"] = option.partition("=")[2]
         elif option.partition("=")[0] in _NUMERIC:
             key, _, text = option.partition("=")
             field, meaning = _NUMERIC[key]
@@ -291,6 +297,7 @@ def fixed_factory(arg: str) -> FixedController:
         else:
             raise ValueError(f"unknown fixed option {option!r} in fixed:{arg}; options: "
                              f"{', '.join('no' + r for r in _SWITCHABLE)}, unguarded, "
-                             f"{', '.join(_FALLBACKS)}, kv_budget=FRACTION, surge=RATIO")
+                             f"{', '.join(_FALLBACKS)}, kv_budget=FRACTION, surge=RATIO, "
+                             f"commit=final|peak")
     guard = GuardConfig(**changes)  # type: ignore[arg-type]
     return FixedController(f"fixed:{arg}", caps, total, guard)

@@ -39,13 +39,14 @@ class ConstantStep(StepTimeModel):
 def sim_engine(engine_id: int = 0, pool: str = "fp16", *, blocks: int = 64,
                max_num_seqs: int = 8, max_model_len: int = 512,
                num_buckets: int = len(BUCKETS),
-               kv_reserve: KvReserveMode = "observed") -> SimEngine:
+               kv_reserve: KvReserveMode = "observed",
+               event_skipping: bool = True) -> SimEngine:
     """A small simulated engine (16-token blocks, constant 10 ms steps)."""
     cfg = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
                        kv_reserve=kv_reserve)
     return SimEngine(engine_id, pool, cfg, ConstantStep(), num_kv_blocks=blocks,
                      max_model_len=max_model_len, gpu_memory_total_bytes=1 << 30,
-                     num_buckets=num_buckets)
+                     num_buckets=num_buckets, event_skipping=event_skipping)
 
 
 def record(request_id: int, bucket: int, *, ttft: float = 0.1, tpot: float = 0.01,

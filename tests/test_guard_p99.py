@@ -51,10 +51,10 @@ def test_total_cap_is_kept_and_uncapped_buckets_stay_unlimited_within_it() -> No
     assert action == ControlAction((None,) * 4, FOUR, 64, None) and not overrides
     # with the KV budget an uncapped bucket is capped at the total, so it passes the budget
     action, _ = _guard().check(TOTAL_64, _stats(1))
-    assert action == ControlAction((64,) * 4, FOUR, 64, 1.0)
+    assert action == ControlAction((64,) * 4, FOUR, 64, 1.0, "peak")
     # no total: the original behaviour (an uncapped bucket gets the ladder max)
     action, _ = _guard().check(ControlAction((None, 8, None, 2), FOUR), _stats(1))
-    assert action == ControlAction((64, 8, 64, 2), FOUR, None, 1.0)
+    assert action == ControlAction((64, 8, 64, 2), FOUR, None, 1.0, "peak")
     action, overrides = _guard(max_total_cap=128).check(ControlAction((None,) * 4, FOUR, 999),
                                                        None)
     assert action.max_num_seqs == 128 and overrides[0].rule == "sanitize"

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from rlbatch.engine.config import EngineConfig
-from rlbatch.engine.reserve import OutputReserve, declared_output_limit
+from rlbatch.engine.reserve import (
+    KV_COMMIT_MODES,
+    KvCommitMode,
+    OutputReserve,
+    declared_output_limit,
+    peak_commitment,
+)
 from rlbatch.request import Request
 from rlbatch.sidecar.settings import UpstreamSpec
 from rlbatch.sidecar.upstream import HttpUpstream, Ticket
@@ -198,3 +205,59 @@ def test_sidecar_upstream_counts_observed_outputs_after_enough_completions() -> 
         assert upstream.committed_tokens() == (100 + 40) + (100 + 30)
     finally:
         loop.close()
+
+
+def _projected_peak(held: int, current: list[int], remaining: list[int], block: int) -> int:
+    """The projection's peak by brute force: every iteration from now until the last
+    request reaches its count, each alive request's KV in whole blocks."""
+    best = 0
+    for k in range(max(remaining, default=0) + 1):
+        best = max(best, sum(-(-(c + k) // block) * block
+                             for c, r in zip(current, remaining, strict=True) if r >= k))
+    return held + best
+
+
+def test_peak_commitment_by_hand() -> None:
+    # 100 tokens growing 5 more, 50 growing 20 more: the peak is just before the first
+    # finishes (k = 5: 105 + 55, the second rounded by 15), not the sum of counts (105 + 70)
+    assert peak_commitment(10, [100, 50], [5, 20], 16) == 10 + 105 + 55 + 15
+    assert peak_commitment(10, [100, 50], [5, 20], 1) == 10 + 160
+    assert peak_commitment(7, [], [], 16) == 7
+
+
+@given(st.integers(0, 500), st.lists(st.tuples(st.integers(1, 20), st.integers(0, 320)),
+                                     max_size=8), st.sampled_from([1, 16]))
+def test_peak_commitment_bounds_the_projected_blocks(
+        held: int, requests: list[tuple[int, int]], block: int) -> None:
+    # counts are whole blocks; each request is somewhere on its way to its count
+    counts = [blocks * block for blocks, _ in requests]
+    current = [max(1, count - grow) for count, (_, grow) in zip(counts, requests, strict=True)]
+    remaining = [count - cur for count, cur in zip(counts, current, strict=True)]
+    bound = peak_commitment(held, current, remaining, block)
+    assert bound >= _projected_peak(held, current, remaining, block)
+    assert bound <= held + sum(counts) + len(counts) * (block - 1)
+    if block == 1:  # nothing to round: the bound is the peak
+        assert bound == _projected_peak(held, current, remaining, 1)
+
+
+@pytest.mark.parametrize("commit", KV_COMMIT_MODES)
+def test_engine_peak_bounds_the_kv_its_decoding_requests_will_hold(commit: KvCommitMode) -> None:
+    # oracle counts are exact: the projection made once every request decodes bounds the
+    # blocks they hold from then on, and (peak) is below the sum of their counts
+    engine = sim_engine(0, "fp16", blocks=400, max_num_seqs=8, kv_reserve="oracle",
+                        event_skipping=False)
+    for i, (prompt, output) in enumerate([(40, 200), (100, 30), (20, 90), (64, 120)]):
+        engine.add_request(Request(i, 0.0, prompt, output), 0, prompt, False)
+    while any(s.num_output == 0 for s in engine._running) or engine._waiting:
+        engine.step(math.inf)
+    projected = engine.committed_with(0, commit)
+    total = engine.committed_tokens()
+    held_tokens = []
+    while not engine.is_idle():
+        held_tokens.append(sum(s.blocks for s in engine._running) * 16)
+        engine.step(math.inf)
+    assert max(held_tokens) <= projected
+    if commit == "final":
+        assert projected == total
+    else:
+        assert projected < total - 100  # the long answer outlives the others

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -14,7 +14,7 @@ from rlbatch.buckets import Buckets
 from rlbatch.control.types import ANY_POOL, ControlAction
 from rlbatch.engine.config import EngineConfig
 from rlbatch.engine.host_tier import HostLink
-from rlbatch.engine.reserve import KV_RESERVE_MODES
+from rlbatch.engine.reserve import KV_COMMIT_MODES, KV_RESERVE_MODES, KvCommitMode
 from rlbatch.engine.sim import SimEngine
 from rlbatch.request import Request
 from rlbatch.serving.admission import AdmissionConfig
@@ -36,7 +36,9 @@ class _Case:
     tick_s: float
 
 
-def _case(seed: int, engines: int | None = None) -> _Case:
+def _case(seed: int, engines: int | None = None,
+          commit: KvCommitMode | Literal["mixed"] = "final") -> _Case:
+    """A random case; ``commit``: what the KV budgets count (``mixed``: drawn each tick)."""
     r = random.Random(seed)
     names = ["fp16", "fp8"][:r.choice([1, 2])]
     n = r.choice([2, 2, 3, 4])
@@ -64,9 +66,11 @@ def _case(seed: int, engines: int | None = None) -> _Case:
                if r.random() < 0.8 else None)
         requests.append(Request(i, t, prompt, output, prefix_ids=ids))
     routes = names + ([ANY_POOL] if len(names) > 1 else [])
+    commits = random.Random(-seed)  # its own draws: the cases before kv_commit are unchanged
     actions = [ControlAction(tuple(r.choice([None, 1, 2, 4, 8, 32]) for _ in range(4)),
                              tuple(r.choice(routes) for _ in range(4)), None,
-                             r.choice([None, 0.3, 0.5, 0.7, 0.9, 1.0]))
+                             r.choice([None, 0.3, 0.5, 0.7, 0.9, 1.0]),
+                             commits.choice(KV_COMMIT_MODES) if commit == "mixed" else commit)
                for _ in range(2000)]
     return _Case(config, link, blocks, requests, pools, scales, actions,
                  r.choice([0.25, 1.0]))
@@ -126,4 +130,18 @@ def test_several_engines_prefix_registration_skipping_equals_stepping(seed: int)
 def test_one_engine_host_tier_waits_skipping_equals_stepping(seed: int) -> None:
     case = _case(seed, engines=1)
     assert case.link is not None
+    assert _drive(case, True) == _drive(case, False)
+
+
+# kv_commit="peak": the budget's projection falls when a request starts decoding, so a
+# request it holds back may enter without a finish. Seeds 333 and 383 (one engine) caught a
+# request whose last prompt token the engine computes as a decode, counted as in prefill.
+@pytest.mark.parametrize(("seed", "engines", "commit"),
+                         [(333, 1, "peak"), (383, 1, "peak"),
+                          *((s, None, "peak") for s in range(8)),
+                          *((s, 1, "mixed") for s in range(4)),
+                          *((s, None, "mixed") for s in range(4))])
+def test_peak_commit_skipping_equals_stepping(seed: int, engines: int | None,
+                                              commit: KvCommitMode | Literal["mixed"]) -> None:
+    case = _case(seed, engines, commit)
     assert _drive(case, True) == _drive(case, False)

@@ -61,7 +61,11 @@ Rules, applied in this order to the proposed caps (each only ever lowers a cap):
     14). The engines can count the declared ``max_tokens`` instead (``declared``: exact, but
     clients that send none or a generous one starve the pool) or, in a trace replay, the
     real output (``oracle``, a bound for comparisons); ``kv_high`` still watches the usage
-    itself.
+    itself. By default (``kv_commit="peak"``) the budget holds the peak of the projected KV,
+    not the sum of the counts: a request about to finish and one just admitted never hold
+    their full KV at once. Counting the sum (``final``, the rule before guard revision 9)
+    held an FP16 engine to 74-84 requests in held-back Azure's opening surge where vLLM
+    alone runs 121-141 (BENCHMARKS.md, issue 14, stop 20).
 
 ``max_seq_len`` truncation / rejection is enforced at admission (``GuardConfig.max_seq_len``
 and ``over_length`` feed the deployment's ``max_model_len``); truncated and rejected requests
@@ -77,6 +81,7 @@ from typing import Literal
 
 from rlbatch.control.p99_trim import ProportionalTrim, nominal_lengths
 from rlbatch.control.types import ANY_POOL, ControlAction, DeploymentInfo, DeploymentStats
+from rlbatch.engine.reserve import KV_COMMIT_MODES, KvCommitMode
 
 DEFAULT_LADDER: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 RULES: tuple[str, ...] = ("sanitize", "warmup", "kv_high", "p99", "efficiency", "kv_budget")
@@ -122,6 +127,9 @@ class GuardConfig:
     :param efficiency_factor: multiplier applied to the caps in force.
     :param kv_budget: enable the committed-KV admission budget.
     :param kv_budget_fraction: fraction of the KV pool committed KV may use.
+    :param kv_commit: what the budget compares with that fraction: ``peak`` (the peak of
+        the projected KV: decoding requests free theirs as they finish) or ``final`` (every
+        request at its count for as long as it runs, the rule before revision 9).
     :param max_seq_len: longest prompt + output admitted (``None``: the model's context).
     :param over_length: ``truncate`` or ``reject`` requests longer than ``max_seq_len``.
     """
@@ -150,6 +158,7 @@ class GuardConfig:
     efficiency_factor: float = 0.75
     kv_budget: bool = True
     kv_budget_fraction: float = 1.0
+    kv_commit: KvCommitMode = "peak"
     max_seq_len: int | None = None
     over_length: Literal["truncate", "reject"] = "truncate"
 
@@ -172,6 +181,9 @@ class GuardConfig:
         if not 0 < self.kv_budget_fraction <= 1:
             raise ValueError(f"kv_budget_fraction must be in (0, 1], got "
                              f"{self.kv_budget_fraction}")
+        if self.kv_commit not in KV_COMMIT_MODES:
+            raise ValueError(f"kv_commit must be one of {KV_COMMIT_MODES}, got "
+                             f"{self.kv_commit!r}")
         if not 0 <= self.efficiency_threshold <= 1 or not 0 < self.efficiency_factor <= 1:
             raise ValueError(f"efficiency threshold must be in [0, 1] and factor in (0, 1], got "
                              f"{self.efficiency_threshold}, {self.efficiency_factor}")
@@ -284,7 +296,8 @@ class Guard:
         cfg = self.config
         cap = max(1, min(cfg.warmup_start_cap, cfg.max_cap))
         return ControlAction((cap,) * self._n_buckets, (self._pools[0],) * self._n_buckets,
-                             None, cfg.kv_budget_fraction if cfg.kv_budget else None)
+                             None, cfg.kv_budget_fraction if cfg.kv_budget else None,
+                             cfg.kv_commit if cfg.kv_budget else "final")
 
     def check(self, proposed: ControlAction | None,
               stats: DeploymentStats | None) -> tuple[ControlAction, list[Override]]:
@@ -333,7 +346,9 @@ class Guard:
             # them at the total instead (the same limit, through admission and its budget).
             caps = [total if c is None else c for c in caps]
         assert len(caps) == n
-        return ControlAction(tuple(caps), tuple(pools), total, budget), overrides
+        # what the budget counts matters only with a budget (one action for "no budget")
+        commit = cfg.kv_commit if budget is not None else "final"
+        return ControlAction(tuple(caps), tuple(pools), total, budget, commit), overrides
 
     # ------------------------------------------------------------------ rules
     def _sanitize(self, proposed: ControlAction | None,

@@ -15,9 +15,10 @@ from dataclasses import fields
 
 from rlbatch.control.guard import GuardConfig
 
-GUARD_REVISION = 8
+GUARD_REVISION = 9
 """Bumped whenever a rule behaves differently under the same configuration (8: the P99 trim
-serves a steady share of long prompts, BENCHMARKS.md issue 14, stop 8)."""
+serves a steady share of long prompts, BENCHMARKS.md issue 14, stop 8; 9: the KV budget holds
+the peak of the projected KV, ``kv_commit``, stop 20)."""
 
 
 def guard_record(config: GuardConfig) -> dict[str, object]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlbatch.buckets import Buckets
+from rlbatch.engine.reserve import KV_COMMIT_MODES, KvCommitMode
 from rlbatch.engine.stats import EngineStats, FinishedRequest, batch_efficiency
 from rlbatch.frozen import quick_init
 
@@ -47,12 +48,16 @@ class ControlAction:
         requests are counted at (prompt + expected output, committed) stays within this
         fraction of the KV pool; an empty engine always takes its oldest request. ``None`` =
         no budget. Set by the guard's KV-budget rule.
+    :param kv_commit: what that budget compares with its limit: ``final`` (every request at
+        its count while it runs) or ``peak`` (the peak of the projected KV, decoding
+        requests freeing theirs as they finish; :mod:`rlbatch.engine.reserve`).
     """
 
     caps: tuple[int | None, ...]
     pools: tuple[str, ...]
     max_num_seqs: int | None = None
     kv_budget_fraction: float | None = None
+    kv_commit: KvCommitMode = "final"
 
     def __post_init__(self) -> None:
         if len(self.caps) != len(self.pools):
@@ -66,6 +71,9 @@ class ControlAction:
         if self.kv_budget_fraction is not None and not 0 < self.kv_budget_fraction <= 1:
             raise ValueError(f"kv_budget_fraction must be in (0, 1] or None, got "
                              f"{self.kv_budget_fraction}")
+        if self.kv_commit not in KV_COMMIT_MODES:
+            raise ValueError(f"kv_commit must be one of {KV_COMMIT_MODES}, got "
+                             f"{self.kv_commit!r}")
 
 
 @dataclass(frozen=True)

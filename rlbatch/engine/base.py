@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from rlbatch.engine.reserve import KvCommitMode
 from rlbatch.engine.stats import EngineStats
 from rlbatch.request import Request
 
@@ -53,6 +54,13 @@ class Engine(Protocol):
 
     def kv_tokens_to_admit(self, request: Request, bucket: int, prompt_tokens: int) -> int:
         """What :meth:`committed_tokens` would grow by if ``request`` entered now."""
+        ...
+
+    def committed_with(self, need: int, commit: KvCommitMode) -> int:
+        """What the KV budget compares with its limit if a request counted at ``need``
+        (:meth:`kv_tokens_to_admit`) entered now: :meth:`committed_tokens` plus ``need``
+        (``final``), or the peak of the projected KV when that is smaller (``peak``;
+        :mod:`rlbatch.engine.reserve`)."""
         ...
 
     @property

@@ -42,6 +42,7 @@ from rlbatch.engine.config import EngineConfig
 from rlbatch.engine.decode_lane import DecodeLane
 from rlbatch.engine.fork import fork_state
 from rlbatch.engine.host_tier import HostLink
+from rlbatch.engine.reserve import KvCommitMode, peak_commitment
 from rlbatch.engine.sim_scheduler import SimScheduler
 from rlbatch.engine.sim_seq import SimSeq
 from rlbatch.engine.stats import EngineStats
@@ -140,6 +141,33 @@ class SimEngine(SimScheduler):
 
     def kv_tokens_to_admit(self, request: Request, bucket: int, prompt_tokens: int) -> int:
         return self._reserve.at_admission(request, bucket, prompt_tokens)
+
+    def committed_with(self, need: int, commit: KvCommitMode) -> int:
+        committed = self.committed_tokens()  # the lane's growths applied
+        if commit == "final":
+            return committed + need
+        epoch = self._lane.epoch
+        held = need
+        current: list[int] = []
+        remaining: list[int] = []
+        for seq in self._running:
+            if seq.in_lane:
+                tokens = seq.prompt_len + seq.out_base + epoch
+            elif seq.num_computed and seq.num_computed == seq.prompt_len + seq.num_output - 1:
+                # one token left to compute: a decode to the scheduler (the last prompt token
+                # too, which an iteration the engine counts as pure decode computes)
+                tokens = seq.prompt_len + seq.num_output
+            else:
+                held += seq.committed  # in prefill (or recomputing after a preemption)
+                continue
+            current.append(tokens)
+            remaining.append(seq.committed - tokens if seq.committed > tokens else 0)
+        for seq in self._waiting:
+            held += seq.committed
+        for seq in self._loading:
+            held += seq.committed
+        return min(peak_commitment(held, current, remaining, self.kv_block_size),
+                   committed + need)
 
     @property
     def kv_block_size(self) -> int:

@@ -23,6 +23,7 @@ from rlbatch.buckets import Buckets
 from rlbatch.control.types import ANY_POOL, ControlAction
 from rlbatch.engine.base import Engine
 from rlbatch.engine.fork import fork_state
+from rlbatch.engine.reserve import KvCommitMode
 from rlbatch.engine.stats import FinishedRequest
 from rlbatch.frozen import quick_init
 from rlbatch.request import Request
@@ -132,6 +133,7 @@ class Admission:
         self.queues: list[deque[tuple[Request, int, bool]]] = [deque() for _ in range(n)]
         self.caps: tuple[int | None, ...] = (None,) * n
         self.kv_budget_fraction: float | None = None
+        self.kv_commit: KvCommitMode = "final"
         self.budget_blocked_in_tick = False
         self.routes: tuple[str, ...] = (engines[0].pool,) * n
         self.rejected: list[FinishedRequest] = []
@@ -162,6 +164,7 @@ class Admission:
         self.caps = action.caps
         self.routes = action.pools
         self.kv_budget_fraction = action.kv_budget_fraction
+        self.kv_commit = action.kv_commit
         if action.max_num_seqs is not None:
             for eng in self.engines:
                 eng.set_max_num_seqs(action.max_num_seqs)
@@ -251,8 +254,9 @@ class Admission:
     def admit(self, engine: Engine) -> int:
         """Move queued requests into ``engine`` while their buckets are under cap (oldest
         head first across buckets) and, with a KV budget in force, while the committed KV
-        stays within it. Under the budget admission is FIFO across buckets: when the oldest
-        eligible request does not fit, nothing younger overtakes it (no bucket starves).
+        (:meth:`~rlbatch.engine.base.Engine.committed_with`) stays within it. Under the
+        budget admission is FIFO across buckets: when the oldest eligible request does not
+        fit, nothing younger overtakes it (no bucket starves).
 
         :param engine: an engine of this deployment.
         :returns: the number admitted.
@@ -286,7 +290,10 @@ class Admission:
             if budget is not None:
                 committed = engine.committed_tokens()
                 need = engine.kv_tokens_to_admit(request, best, prompt)
-                if committed > 0 and committed + need > budget:
+                # committed_with is at most the sum, so it is read only when the sum does
+                # not fit (kv_commit="peak" projects, which costs a sort)
+                if (committed > 0 and committed + need > budget
+                        and engine.committed_with(need, self.kv_commit) > budget):
                     self.budget_blocked_in_tick = self.budget_blocked = True
                     return admitted
             queues[best].popleft()
@@ -299,7 +306,8 @@ class Admission:
         no new request from its waiting queue, changes no engine's running requests: it is
         refused, joins that waiting queue, or waits in a queue that stays closed (its bucket
         at its cap, or the oldest eligible request held back by the KV budget, which only
-        grows while requests run). Such arrivals can be submitted later in the same tick, in
+        grows while requests run: with ``kv_commit="final"``, the only way the deployment
+        asks). Such arrivals can be submitted later in the same tick, in
         order, with the same result (:meth:`~rlbatch.serving.deployment.Deployment.run_until`).
 
         :param request: a future arrival.

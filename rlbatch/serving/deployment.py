@@ -140,6 +140,11 @@ class Deployment:
         skips = getattr(single, "event_skipping", False)
         self._holds = getattr(single, "holds_new_arrivals", None) if skips else None
         self._run_on = getattr(single, "advance", None) if skips else None
+        # The budget's peak count (kv_commit="peak") falls when a request starts decoding,
+        # which advance() may run past: while that budget holds a request back, the engine
+        # takes step()'s boundaries (each iteration with prefill is looked at).
+        self._peak_held = (cast("Callable[[float], None]", single.step)
+                           if single is not None and skips else None)
 
     def load(self, requests: Sequence[Request]) -> None:
         """Set the arrival stream (sorted by arrival time)."""
@@ -201,6 +206,7 @@ class Deployment:
         run_on = self._run_on
         idx = self._next
         skip_cut = self._skip_cut
+        peak_held = self._peak_held
         while True:
             eng = single if single is not None else min(
                 engines, key=lambda e: (e.now_s, e.engine_id))
@@ -218,6 +224,9 @@ class Deployment:
                 eng.advance_idle(bound)
             elif id(eng) in skip_cut and admission.budget_blocked:
                 skip_cut[id(eng)](bound, _before_other_boundaries(eng, engines, now, bound))
+            elif (peak_held is not None and admission.budget_blocked
+                  and admission.kv_commit == "peak"):
+                peak_held(bound)
             elif run_on is not None:
                 # One skipping engine: past arrivals that cannot change its running requests,
                 # and on through boundaries where nothing is to be done here.

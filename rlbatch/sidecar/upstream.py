@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rlbatch.engine.reserve import KvReserveMode, OutputReserve
+from rlbatch.engine.reserve import KvCommitMode, KvReserveMode, OutputReserve
 from rlbatch.engine.stats import EngineStats, FinishedRequest
 from rlbatch.request import Request
 from rlbatch.sidecar.settings import UpstreamSpec
@@ -145,6 +145,11 @@ class HttpUpstream:
 
     def committed_tokens(self) -> int:
         return self._committed
+
+    def committed_with(self, need: int, commit: KvCommitMode) -> int:
+        # A proxy sees no request's progress inside the server, so it cannot project a peak:
+        # every admitted request holds its count until its response ends, whatever commit.
+        return self._committed + need
 
     def kv_tokens_to_admit(self, request: Request, bucket: int, prompt_tokens: int) -> int:
         # max_output_tokens is the limit the request runs under (its max_tokens, fitted).

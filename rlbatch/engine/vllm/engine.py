@@ -18,14 +18,11 @@ Semantics, and how they line up with the simulator:
   sharing one clock take turns. :meth:`~VllmEngine.advance_idle` sleeps until ``to_s`` only
   when every engine on the clock is idle; otherwise it just catches up with the wall clock,
   so an idle engine never blocks a busy one.
-* **One iteration per step.** Async scheduling is off (vLLM's CPU backend turns it off
-  anyway; on a GPU it overlaps the next schedule with the current forward pass, which would
-  cost the one-iteration-per-call semantics admission relies on, for a few percent of
-  throughput).
+* **One iteration per step.** Async scheduling is off (off on CPU anyway; on a GPU it would
+  cost the one-iteration-per-call semantics admission relies on, for a few % throughput).
 * **Requests.** A request becomes a ``TokensPrompt`` of exactly ``prompt_tokens`` ids drawn
   from the tokenizer's vocabulary (no special tokens), deterministic in the request id and
-  the seed, with ``SamplingParams(max_tokens=min_tokens=output, ignore_eos=True)``, greedy
-  and without detokenisation. Prefix caching is off (the simulator's default).
+  the seed, with ``SamplingParams(max_tokens=min_tokens=output, ignore_eos=True)``, greedy.
 * **Iteration composition.** The scheduler's ``schedule`` is wrapped by a probe that reads
   each scheduled request's context before the chunk, so every iteration's prefill tokens,
   causal attention work, decoding sequences and decode KV tokens are known exactly as the
@@ -39,15 +36,13 @@ Semantics, and how they line up with the simulator:
   (iterations, tokens, recomputation) and rlbatch's bookkeeping of request ids (per-bucket
   running from the scheduler's running list, waiting = inside the engine but not running).
   GPU memory comes from :class:`~rlbatch.engine.telemetry.MemoryTelemetry` (process memory on CPU).
-* **Caps.** ``max_num_seqs`` changes through the scheduler's ``max_num_active_reqs`` (vLLM's
-  ``max_num_active_seqs``), clamped to the configured ``max_num_seqs`` (lowering vLLM's
-  ``max_num_seqs`` itself at run time trips an assertion). Per-bucket caps stay with
-  admission.
+* **Caps.** ``max_num_seqs`` changes through the scheduler's ``max_num_active_reqs``, clamped
+  to the configured ``max_num_seqs`` (lowering vLLM's ``max_num_seqs`` itself at run time
+  trips an assertion). Per-bucket caps stay with admission.
 
 The engine needs the in-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by
-:func:`rlbatch.engine.vllm.launch.start_vllm_engine`); vLLM over HTTP is a separate engine
-kind. vLLM is imported with ``importlib`` only when an engine starts, so importing this
-module costs nothing and mypy does not walk vLLM's sources.
+:func:`rlbatch.engine.vllm.launch.start_vllm_engine`). vLLM is imported with ``importlib``
+only when an engine starts: importing this module costs nothing, mypy skips vLLM's sources.
 """
 
 from __future__ import annotations
@@ -55,10 +50,10 @@ from __future__ import annotations
 import importlib
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from rlbatch.engine.reserve import OutputReserve
+from rlbatch.engine.reserve import KvCommitMode, OutputReserve, peak_commitment
 from rlbatch.engine.stats import EngineStats, FinishedRequest
 from rlbatch.engine.telemetry import MemoryTelemetry
 from rlbatch.engine.vllm.clock import LiveClock
@@ -215,19 +210,39 @@ class VllmEngine:
     def num_unfinished_total(self) -> int:
         return len(self._by_ext)
 
-    def committed_tokens(self) -> int:
-        # Grown counts read vLLM's own output counters (a handful of live requests here).
-        reserve = self._reserve
-        requests = self._scheduler.requests
-        total = 0
+    def _counts(self) -> Iterator[tuple[Any, int]]:
+        """Each request inside: vLLM's state of it (``None`` once gone), its grown count."""
+        reserve, requests = self._reserve, self._scheduler.requests
         for live in self._by_ext.values():
             req = requests.get(live.vllm_id)
             generated = int(req.num_output_tokens) if req is not None else 0
-            total += reserve.grown(live.committed, live.kv_limit, live.prompt_len, generated)
-        return total
+            yield req, reserve.grown(live.committed, live.kv_limit, live.prompt_len, generated)
+
+    def committed_tokens(self) -> int:
+        return sum(count for _, count in self._counts())
 
     def kv_tokens_to_admit(self, request: Request, bucket: int, prompt_tokens: int) -> int:
         return self._reserve.at_admission(request, bucket, prompt_tokens)
+
+    def committed_with(self, need: int, commit: KvCommitMode) -> int:
+        if commit == "final":
+            return self.committed_tokens() + need
+        running = {req.request_id for req in self._scheduler.running}
+        held, committed = need, 0
+        current: list[int] = []
+        remaining: list[int] = []
+        for req, count in self._counts():
+            committed += count
+            computed = int(req.num_computed_tokens) if req is not None else 0
+            # decoding: running with one token (the last sampled one) left to compute
+            if computed > 0 and req.request_id in running and computed >= req.num_tokens - 1:
+                tokens = int(req.num_tokens)
+                current.append(tokens)
+                remaining.append(count - tokens if count > tokens else 0)
+            else:
+                held += count
+        return min(peak_commitment(held, current, remaining, self.kv_block_size),
+                   committed + need)
 
     @property
     def kv_block_size(self) -> int:
