@@ -93,3 +93,12 @@ def test_a_corrupt_record_fails_clearly(tmp_path: Path) -> None:
                                          {"ladder": [4, 2]}))
     with pytest.raises(ArtifactError, match="recorded guard: ladder must be strictly"):
         PpoController(artifact)
+
+
+@pytest.mark.parametrize("artifact", ["policies/default", "policies/seeds/seed1",
+                                      "policies/seeds/seed2", "policies/two-pool"])
+def test_shipped_policies_record_the_guard_they_are_served_behind(artifact: str) -> None:
+    # their EVAL.md figures are measured behind this rlbatch's rules (the peak KV budget)
+    path = Path(__file__).resolve().parents[1] / artifact
+    controller = PpoController(load_artifact(path))
+    assert controller.guard_warnings == [] and controller.guard.config.kv_commit == "peak"

@@ -116,6 +116,27 @@ def test_protocol_basics(fp16_engine: VllmEngine) -> None:
     assert eng.now_s >= t + 0.05
 
 
+def test_peak_commit_projects_vllms_decoding_requests(clock: LiveClock) -> None:
+    # declared counts are exact here (max_tokens = the output): 96, 128 and 192 tokens
+    eng = start_vllm_engine(_config(kv_reserve="declared"), engine_id=3, pool="fp16",
+                            num_buckets=4, clock=clock)
+    try:
+        for i, out in enumerate((8, 40, 120)):
+            eng.add_request(Request(i, eng.now_s, 64, out, max_tokens=out), 0, 64, False)
+        assert eng.committed_tokens() == 96 + 128 + 192
+        # nothing decodes yet: each holds its whole count, as with the sum
+        assert eng.committed_with(16, "peak") == eng.committed_with(16, "final") == 432
+        eng.step(math.inf)  # the three prompts in one iteration, a first token each
+        # 65 tokens each, growing 31, 63 and 127 more: the peak is just before the first
+        # finishes, 3 x 96 + 2 blocks' rounding (the third is then at its count)
+        assert eng.committed_with(0, "peak") == 3 * (65 + 31) + 2 * 31
+        assert eng.committed_with(0, "final") == 416
+        _drain(eng)
+        assert eng.committed_with(7, "peak") == 7
+    finally:
+        eng.close()
+
+
 def test_caps_change_mid_run(fp16_engine: VllmEngine) -> None:
     spec = DeploymentSpec(pools={"fp16": 1}, buckets=BUCKETS, tick_s=0.1)
     dep = build_live_deployment(spec, engines=[fp16_engine])
