@@ -24,8 +24,9 @@ log = logging.getLogger(__name__)
 
 
 def artifact_guard(artifact: PolicyArtifact) -> GuardConfig:
-    """The guard a policy was trained behind: the one its artifact records, else (artifacts
-    written before the record) the default rules on its cap ladder."""
+    """The guard a policy is served behind: the one its artifact records (the one it was
+    trained behind, or re-measured behind: :mod:`rlbatch.control.guard_record`), else
+    (artifacts written before the record) the default rules on its cap ladder."""
     record = artifact.metadata.get("guard")
     if isinstance(record, dict):
         try:
@@ -38,7 +39,7 @@ def artifact_guard(artifact: PolicyArtifact) -> GuardConfig:
 
 def guard_warnings(artifact: PolicyArtifact, config: GuardConfig) -> list[str]:
     """Why ``artifact``'s figures may not hold behind ``config``: empty when the guard in
-    force is the one it was trained behind."""
+    force is the one it records (:mod:`rlbatch.control.guard_record`)."""
     record = artifact.metadata.get("guard")
     if not isinstance(record, dict):
         return ["the artifact does not record the guard it was trained behind (written "
@@ -47,7 +48,7 @@ def guard_warnings(artifact: PolicyArtifact, config: GuardConfig) -> list[str]:
 
 
 class PpoController(GuardedController):
-    """A trained policy, deterministic, behind the guard it was trained with.
+    """A trained policy, deterministic, behind the guard its artifact records.
 
     :param artifact: the loaded artifact.
     :param name: controller name (``ppo:PATH``).

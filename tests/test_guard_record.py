@@ -34,6 +34,17 @@ def test_record_round_trips_through_json(config: GuardConfig) -> None:
     assert record_mismatch(record, config) == []
 
 
+@pytest.mark.parametrize("revision, expected", [(8, "final"), (9, "peak"), (None, "peak")])
+def test_a_record_without_kv_commit_keeps_the_count_of_its_revision(
+        revision: int | None, expected: str) -> None:
+    # before revision 9 the KV budget could only count the sum: an old artifact is not
+    # served behind a rule it never saw
+    record = guard_record(GuardConfig())
+    del record["kv_commit"]
+    record["revision"] = revision
+    assert guard_from_record(record).kv_commit == expected
+
+
 def test_mismatch_names_each_difference() -> None:
     record = guard_record(GuardConfig(p99_surge_ratio=0.0))
     record["revision"] = GUARD_REVISION - 1

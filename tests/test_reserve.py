@@ -218,10 +218,11 @@ def _projected_peak(held: int, current: list[int], remaining: list[int], block: 
 
 
 def test_peak_commitment_by_hand() -> None:
-    # 100 tokens growing 5 more, 50 growing 20 more: the peak is just before the first
-    # finishes (k = 5: 105 + 55, the second rounded by 15), not the sum of counts (105 + 70)
-    assert peak_commitment(10, [100, 50], [5, 20], 16) == 10 + 105 + 55 + 15
-    assert peak_commitment(10, [100, 50], [5, 20], 1) == 10 + 160
+    # counts of 112 and 80 tokens (7 and 5 blocks), 100 and 50 tokens in: the peak is just
+    # before the first finishes (k = 12: 112 + 62, the second with up to a block's rounding),
+    # not the sum of the counts (192)
+    assert peak_commitment(10, [100, 50], [12, 30], 16) == 10 + 112 + 62 + 15
+    assert peak_commitment(10, [100, 50], [12, 30], 1) == 10 + 112 + 62
     assert peak_commitment(7, [], [], 16) == 7
 
 
@@ -254,7 +255,9 @@ def test_engine_peak_bounds_the_kv_its_decoding_requests_will_hold(commit: KvCom
     total = engine.committed_tokens()
     held_tokens = []
     while not engine.is_idle():
-        held_tokens.append(sum(s.blocks for s in engine._running) * 16)
+        # the blocks the next iteration allocates (every request decodes here): measured
+        # between steps, a request's last block would be gone with it
+        held_tokens.append(sum(-(-(s.num_computed + 1) // 16) for s in engine._running) * 16)
         engine.step(math.inf)
     assert max(held_tokens) <= projected
     if commit == "final":

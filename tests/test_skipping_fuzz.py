@@ -66,7 +66,8 @@ def _case(seed: int, engines: int | None = None,
                if r.random() < 0.8 else None)
         requests.append(Request(i, t, prompt, output, prefix_ids=ids))
     routes = names + ([ANY_POOL] if len(names) > 1 else [])
-    commits = random.Random(-seed)  # its own draws: the cases before kv_commit are unchanged
+    # its own draws, so the cases drawn before kv_commit existed are unchanged
+    commits = random.Random(f"kv_commit-{seed}")
     actions = [ControlAction(tuple(r.choice([None, 1, 2, 4, 8, 32]) for _ in range(4)),
                              tuple(r.choice(routes) for _ in range(4)), None,
                              r.choice([None, 0.3, 0.5, 0.7, 0.9, 1.0]),

@@ -52,8 +52,9 @@ Rules, applied in this order to the proposed caps (each only ever lowers a cap):
     ``efficiency_threshold`` (70%) shrinks caps (and the total) by ``efficiency_factor``.
 ``kv_budget``
     admission keeps the committed KV (each admitted request counted at prompt + the output
-    it is expected to reach, whole blocks; see :mod:`rlbatch.engine.reserve`) within
-    ``kv_budget_fraction`` of the KV pool (default the whole pool). The guide's ">= 20%
+    it is expected to reach, whole blocks; see :mod:`rlbatch.engine.reserve`; by default the
+    peak of their projection, below) within ``kv_budget_fraction`` of the KV pool (default
+    the whole pool). The guide's ">= 20%
     headroom for context growth" is reserved per request here: a request is counted at a
     high quantile of its bucket's recent outputs, and at twice what it has generated once
     it runs longer, so the admitted set rarely outgrows the pool. A flat 80% on top of that
@@ -81,7 +82,7 @@ from typing import Literal
 
 from rlbatch.control.p99_trim import ProportionalTrim, nominal_lengths
 from rlbatch.control.types import ANY_POOL, ControlAction, DeploymentInfo, DeploymentStats
-from rlbatch.engine.reserve import KV_COMMIT_MODES, KvCommitMode
+from rlbatch.engine.reserve import KvCommitMode, check_kv_commit
 
 DEFAULT_LADDER: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 RULES: tuple[str, ...] = ("sanitize", "warmup", "kv_high", "p99", "efficiency", "kv_budget")
@@ -181,9 +182,7 @@ class GuardConfig:
         if not 0 < self.kv_budget_fraction <= 1:
             raise ValueError(f"kv_budget_fraction must be in (0, 1], got "
                              f"{self.kv_budget_fraction}")
-        if self.kv_commit not in KV_COMMIT_MODES:
-            raise ValueError(f"kv_commit must be one of {KV_COMMIT_MODES}, got "
-                             f"{self.kv_commit!r}")
+        check_kv_commit(self.kv_commit)
         if not 0 <= self.efficiency_threshold <= 1 or not 0 < self.efficiency_factor <= 1:
             raise ValueError(f"efficiency threshold must be in [0, 1] and factor in (0, 1], got "
                              f"{self.efficiency_threshold}, {self.efficiency_factor}")

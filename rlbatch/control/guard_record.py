@@ -1,11 +1,16 @@
-"""What a policy artifact records of the guard it was trained behind, and the check at serving.
+"""What a policy artifact records of the guard it is served behind, and the check at serving.
 
 A policy learns to act through the guard: the guard's rules are part of the environment it
-was trained in, and its figures hold behind that guard only. Issue 14 (stop 8) changed the
-P99 rule, and the two-pool policy trained behind the previous rule fell from 1.03x to 0.76x
-the best static without anything saying so. The artifact therefore records the guard's
-configuration and :data:`GUARD_REVISION`; serving rebuilds that configuration and warns when
-the guard in force differs from it.
+was trained in, and its figures hold behind the guard they were measured behind only. Issue
+14 (stop 8) changed the P99 rule, and the two-pool policy trained behind the previous rule
+fell from 1.03x to 0.76x the best static without anything saying so. The artifact therefore
+records the guard's configuration and :data:`GUARD_REVISION` (written at training, the
+guard it was trained and selected behind); serving rebuilds that configuration and warns
+when the guard in force differs from it. An artifact re-measured behind a later guard
+records that guard, and the one it was trained behind under ``guard_trained`` (stop 20).
+
+A record from before revision 9 has no ``kv_commit``: its KV budget counted the sum of the
+counts, so it is rebuilt with ``kv_commit="final"``, not today's default.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ def guard_record(config: GuardConfig) -> dict[str, object]:
 
 def guard_from_record(record: Mapping[str, object]) -> GuardConfig:
     """The configuration :func:`guard_record` wrote (``revision`` aside: see
-    :func:`record_mismatch`); a field missing from the record takes its default.
+    :func:`record_mismatch`); a field missing from the record takes its default, except
+    ``kv_commit`` before revision 9 (``final``, the rule then).
 
     :param record: the recorded dict.
     :raises ValueError: a field this version does not know, or an invalid value.
@@ -45,6 +51,9 @@ def guard_from_record(record: Mapping[str, object]) -> GuardConfig:
                          f"(written by a newer version?)")
     values = {k: tuple(v) if isinstance(v, list) else v
               for k, v in record.items() if k in known}
+    revision = record.get("revision")
+    if "kv_commit" not in values and isinstance(revision, int) and revision < 9:
+        values["kv_commit"] = "final"  # the only count before revision 9
     return GuardConfig(**values)  # type: ignore[arg-type]
 
 

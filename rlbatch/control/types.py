@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlbatch.buckets import Buckets
-from rlbatch.engine.reserve import KV_COMMIT_MODES, KvCommitMode
+from rlbatch.engine.reserve import KvCommitMode, check_kv_commit
 from rlbatch.engine.stats import EngineStats, FinishedRequest, batch_efficiency
 from rlbatch.frozen import quick_init
 
@@ -45,9 +45,9 @@ class ControlAction:
     :param max_num_seqs: engine-wide cap on running sequences (vLLM ``--max-num-seqs``;
         live: the scheduler's ``max_num_active_reqs``); ``None`` keeps the engine default.
     :param kv_budget_fraction: admit a request into an engine only while the KV its
-        requests are counted at (prompt + expected output, committed) stays within this
-        fraction of the KV pool; an empty engine always takes its oldest request. ``None`` =
-        no budget. Set by the guard's KV-budget rule.
+        requests are counted at (prompt + expected output, committed; as ``kv_commit`` says)
+        stays within this fraction of the KV pool; an empty engine always takes its oldest
+        request. ``None`` = no budget. Set by the guard's KV-budget rule.
     :param kv_commit: what that budget compares with its limit: ``final`` (every request at
         its count while it runs) or ``peak`` (the peak of the projected KV, decoding
         requests freeing theirs as they finish; :mod:`rlbatch.engine.reserve`).
@@ -71,9 +71,7 @@ class ControlAction:
         if self.kv_budget_fraction is not None and not 0 < self.kv_budget_fraction <= 1:
             raise ValueError(f"kv_budget_fraction must be in (0, 1] or None, got "
                              f"{self.kv_budget_fraction}")
-        if self.kv_commit not in KV_COMMIT_MODES:
-            raise ValueError(f"kv_commit must be one of {KV_COMMIT_MODES}, got "
-                             f"{self.kv_commit!r}")
+        check_kv_commit(self.kv_commit)
 
 
 @dataclass(frozen=True)

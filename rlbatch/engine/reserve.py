@@ -37,11 +37,12 @@ What the budget compares with its limit (``kv_commit``):
   holds what the pool would hold at the worst moment ahead if nothing else entered and the
   counts held.
 
-Between finishes the ``peak`` figure never falls while every running request decodes (the
-decoding requests' projections are fixed in time and only grow when a count grows), so a
-request the budget holds back stays held until a request finishes or one starts decoding;
-the engines keep their event skipping exact on that (see
-:meth:`rlbatch.serving.deployment.Deployment.run_until`).
+The projection assumes every decoding request is scheduled every iteration. Between
+finishes the ``peak`` figure never falls while that holds (the decoding requests'
+projections are fixed in time and only grow when a count grows), so a request the budget
+holds back stays held until an iteration that is not pure decode: one in which a request
+finishes, starts decoding, is preempted or is not scheduled. The engines keep their event
+skipping exact on that (see :meth:`rlbatch.serving.deployment.Deployment.run_until`).
 """
 
 from __future__ import annotations

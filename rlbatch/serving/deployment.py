@@ -140,10 +140,11 @@ class Deployment:
         skips = getattr(single, "event_skipping", False)
         self._holds = getattr(single, "holds_new_arrivals", None) if skips else None
         self._run_on = getattr(single, "advance", None) if skips else None
-        # The budget's peak count (kv_commit="peak") falls when a request starts decoding,
-        # which advance() may run past: while that budget holds a request back, the engine
-        # takes step()'s boundaries (each iteration with prefill is looked at).
-        self._peak_held = (cast("Callable[[float], None]", single.step)
+        # The budget's peak count (kv_commit="peak") can fall after an iteration that is not
+        # pure decode (a request starts decoding, is preempted or is not scheduled), which
+        # advance() may run past: while that budget holds a request back, the engine takes
+        # step()'s boundaries (each such iteration is looked at).
+        self._step_while_peak_held = (cast("Callable[[float], None]", single.step)
                            if single is not None and skips else None)
 
     def load(self, requests: Sequence[Request]) -> None:
@@ -206,7 +207,7 @@ class Deployment:
         run_on = self._run_on
         idx = self._next
         skip_cut = self._skip_cut
-        peak_held = self._peak_held
+        step_while_peak_held = self._step_while_peak_held
         while True:
             eng = single if single is not None else min(
                 engines, key=lambda e: (e.now_s, e.engine_id))
@@ -224,9 +225,9 @@ class Deployment:
                 eng.advance_idle(bound)
             elif id(eng) in skip_cut and admission.budget_blocked:
                 skip_cut[id(eng)](bound, _before_other_boundaries(eng, engines, now, bound))
-            elif (peak_held is not None and admission.budget_blocked
+            elif (step_while_peak_held is not None and admission.budget_blocked
                   and admission.kv_commit == "peak"):
-                peak_held(bound)
+                step_while_peak_held(bound)
             elif run_on is not None:
                 # One skipping engine: past arrivals that cannot change its running requests,
                 # and on through boundaries where nothing is to be done here.

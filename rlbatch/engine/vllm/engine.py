@@ -22,7 +22,8 @@ Semantics, and how they line up with the simulator:
   cost the one-iteration-per-call semantics admission relies on, for a few % throughput).
 * **Requests.** A request becomes a ``TokensPrompt`` of exactly ``prompt_tokens`` ids drawn
   from the tokenizer's vocabulary (no special tokens), deterministic in the request id and
-  the seed, with ``SamplingParams(max_tokens=min_tokens=output, ignore_eos=True)``, greedy.
+  the seed, with ``SamplingParams(max_tokens=min_tokens=output, ignore_eos=True)``, greedy
+  and without detokenisation.
 * **Iteration composition.** The scheduler's ``schedule`` is wrapped by a probe that reads
   each scheduled request's context before the chunk, so every iteration's prefill tokens,
   causal attention work, decoding sequences and decode KV tokens are known exactly as the
@@ -63,6 +64,7 @@ from rlbatch.engine.vllm.probe import (
     SchedulerProbe,
     StatCollector,
     StepTimer,
+    stack_distance,
 )
 from rlbatch.engine.vllm.prompts import PromptTokens
 from rlbatch.request import Request
@@ -90,7 +92,6 @@ class _Live:
         # admission reserve and ceiling (rlbatch.engine.reserve)
         self.committed = 0
         self.kv_limit = 0
-
 
 
 class VllmEngine:
@@ -235,7 +236,8 @@ class VllmEngine:
             committed += count
             computed = int(req.num_computed_tokens) if req is not None else 0
             # decoding: running with one token (the last sampled one) left to compute
-            if computed > 0 and req.request_id in running and computed >= req.num_tokens - 1:
+            if req is not None and computed > 0 and req.request_id in running \
+                    and computed >= req.num_tokens - 1:
                 tokens = int(req.num_tokens)
                 current.append(tokens)
                 remaining.append(count - tokens if count > tokens else 0)
@@ -333,7 +335,7 @@ class VllmEngine:
             else:
                 self._since_wake += 1
             size = probe.prefill_tokens + probe.num_decode
-            distance = _stack_distance(self._token_counts, size)
+            distance = stack_distance(self._token_counts, size)
             self._iterations += 1
             self._busy_s += end - start
             self._prefill_tokens += probe.prefill_tokens
@@ -484,17 +486,3 @@ class VllmEngine:
             truncated=live.truncated,
         ))
 
-
-def _stack_distance(order: OrderedDict[int, None], size: int) -> int:
-    """Distinct sizes run since ``size`` was last run (0: it was the last one; -1: never),
-    and ``size`` becomes the most recent."""
-    if size not in order:
-        order[size] = None
-        return -1
-    distance = 0
-    for key in reversed(order):
-        if key == size:
-            break
-        distance += 1
-    order.move_to_end(size)
-    return distance

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -257,3 +258,18 @@ class StatCollector:
         self.generation_tokens = 0
         self.kv_cache_usage_peak = self.kv_cache_usage
         return out
+
+
+def stack_distance(order: OrderedDict[int, None], size: int) -> int:
+    """Distinct sizes run since ``size`` was last run (0: it was the last one; -1: never),
+    and ``size`` becomes the most recent."""
+    if size not in order:
+        order[size] = None
+        return -1
+    distance = 0
+    for key in reversed(order):
+        if key == size:
+            break
+        distance += 1
+    order.move_to_end(size)
+    return distance
