@@ -221,9 +221,9 @@ def test_peak_commitment_by_hand() -> None:
     # counts of 112 and 80 tokens (7 and 5 blocks), 100 and 50 tokens in: the peak is just
     # before the first finishes (k = 12: 112 + 62, the second with up to a block's rounding),
     # not the sum of the counts (192)
-    assert peak_commitment(10, [100, 50], [12, 30], 16) == 10 + 112 + 62 + 15
-    assert peak_commitment(10, [100, 50], [12, 30], 1) == 10 + 112 + 62
-    assert peak_commitment(7, [], [], 16) == 7
+    assert peak_commitment(10, [(100, 112), (50, 80)], 16) == 10 + 112 + 62 + 15
+    assert peak_commitment(10, [(100, 112), (50, 80)], 1) == 10 + 112 + 62
+    assert peak_commitment(7, [], 16) == 7
 
 
 @given(st.integers(0, 500), st.lists(st.tuples(st.integers(1, 20), st.integers(0, 320)),
@@ -234,7 +234,7 @@ def test_peak_commitment_bounds_the_projected_blocks(
     counts = [blocks * block for blocks, _ in requests]
     current = [max(1, count - grow) for count, (_, grow) in zip(counts, requests, strict=True)]
     remaining = [count - cur for count, cur in zip(counts, current, strict=True)]
-    bound = peak_commitment(held, current, remaining, block)
+    bound = peak_commitment(held, list(zip(current, counts, strict=True)), block)
     assert bound >= _projected_peak(held, current, remaining, block)
     assert bound <= held + sum(counts) + len(counts) * (block - 1)
     if block == 1:  # nothing to round: the bound is the peak

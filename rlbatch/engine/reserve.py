@@ -69,32 +69,32 @@ def check_kv_commit(mode: str) -> None:
         raise ValueError(f"kv_commit must be one of {KV_COMMIT_MODES}, got {mode!r}")
 
 
-def peak_commitment(held: int, current: list[int], remaining: list[int],
-                    block_size: int) -> int:
-    """The peak of the projected KV (``kv_commit="peak"``; the module docstring): ``held``
-    tokens throughout, plus decoding request ``i`` at ``current[i] + k`` tokens ``k``
-    iterations from now while ``k <= remaining[i]``, then nothing. Each request alive at the
-    peak but the one reaching its count there is rounded up to whole blocks (``block_size
-    - 1`` tokens more), so with exact counts (``current[i] + remaining[i]`` whole blocks) the
-    figure bounds the blocks the requests will hold.
+def peak_commitment(held: int, decoding: list[tuple[int, int]], block_size: int) -> int:
+    """What ``kv_commit="peak"`` compares with the budget (the module docstring): the peak of
+    the projected KV, or the sum of the counts when that is smaller. ``held`` tokens
+    throughout, plus each decoding request at ``current + k`` tokens ``k`` iterations from
+    now until it reaches its count, then nothing. Each request alive at the peak but the one
+    reaching its count there is rounded up to whole blocks (``block_size - 1`` tokens more),
+    so with exact counts (whole blocks) the figure bounds the blocks the requests will hold.
 
     :param held: the counts of the requests not decoding (and of the one being admitted).
-    :param current: each decoding request's KV now, tokens.
-    :param remaining: tokens each still grows by before its count is reached (>= 0).
+    :param decoding: ``(current KV, count)`` of each decoding request, tokens.
     :param block_size: tokens per KV block.
-    :returns: the largest total at any iteration from now on, tokens.
+    :returns: the largest total at any iteration from now on, at most ``held`` plus the
+        decoding requests' counts, tokens.
     """
-    # The total rises between finishes, so its peak is just before one: at k = remaining[i],
-    # the requests alive are those with remaining >= k (taken longest first).
+    # The total rises between finishes, so its peak is just before one: k iterations on, the
+    # requests alive are those with at least k tokens to grow (taken longest first).
+    growth = sorted(((count - cur if count > cur else 0, cur) for cur, count in decoding),
+                    reverse=True)
     peak = total = 0
     slack = block_size - 1
-    for alive, (rem, cur) in enumerate(sorted(zip(remaining, current, strict=True),
-                                              reverse=True), start=1):
+    for alive, (rem, cur) in enumerate(growth, start=1):
         total += cur
         value = total + alive * rem + (alive - 1) * slack
         if value > peak:
             peak = value
-    return held + peak
+    return held + min(peak, sum(count for _, count in decoding))
 
 
 def check_kv_reserve(mode: str, quantile: float,

@@ -143,13 +143,12 @@ class SimEngine(SimScheduler):
         return self._reserve.at_admission(request, bucket, prompt_tokens)
 
     def committed_with(self, need: int, commit: KvCommitMode) -> int:
-        committed = self.committed_tokens()  # the lane's growths applied
+        committed = self.committed_tokens()  # also brings the counts below up to date
         if commit == "final":
             return committed + need
         epoch = self._lane.epoch
         held = need
-        current: list[int] = []
-        remaining: list[int] = []
+        decoding: list[tuple[int, int]] = []
         for seq in self._running:
             if seq.in_lane:
                 tokens = seq.prompt_len + seq.out_base + epoch
@@ -160,14 +159,12 @@ class SimEngine(SimScheduler):
             else:
                 held += seq.committed  # in prefill (or recomputing after a preemption)
                 continue
-            current.append(tokens)
-            remaining.append(seq.committed - tokens if seq.committed > tokens else 0)
+            decoding.append((tokens, seq.committed))
         for seq in self._waiting:
             held += seq.committed
         for seq in self._loading:
             held += seq.committed
-        return min(peak_commitment(held, current, remaining, self.kv_block_size),
-                   committed + need)
+        return peak_commitment(held, decoding, self.kv_block_size)
 
     @property
     def kv_block_size(self) -> int:

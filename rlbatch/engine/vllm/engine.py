@@ -229,22 +229,17 @@ class VllmEngine:
         if commit == "final":
             return self.committed_tokens() + need
         running = {req.request_id for req in self._scheduler.running}
-        held, committed = need, 0
-        current: list[int] = []
-        remaining: list[int] = []
+        held = need
+        decoding: list[tuple[int, int]] = []
         for req, count in self._counts():
-            committed += count
             computed = int(req.num_computed_tokens) if req is not None else 0
             # decoding: running with one token (the last sampled one) left to compute
             if req is not None and computed > 0 and req.request_id in running \
                     and computed >= req.num_tokens - 1:
-                tokens = int(req.num_tokens)
-                current.append(tokens)
-                remaining.append(count - tokens if count > tokens else 0)
+                decoding.append((int(req.num_tokens), count))
             else:
                 held += count
-        return min(peak_commitment(held, current, remaining, self.kv_block_size),
-                   committed + need)
+        return peak_commitment(held, decoding, self.kv_block_size)
 
     @property
     def kv_block_size(self) -> int:
