@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -127,6 +128,23 @@ def test_kv_high_for_10s_halves_then_releases() -> None:
     assert caps[:9] == [64] * 9  # high for less than 10 s
     assert caps[9] == 16 and caps[19] == 8  # halved at 10 s, again at 20 s
     assert guard.check(PROPOSED, _stats(30, kv=0.5))[0].caps[0] == 64
+
+
+@pytest.mark.parametrize("tick_s", [-1e292, float("nan"), float("inf"), 1e300])
+def test_kv_high_with_an_odd_tick_counts_from_now(tick_s: float) -> None:
+    # found by the property test above (the largest float as time, a tick of -1e292: the
+    # rule's start at -inf, the halvings due at NaN); a tick outside [0, t] counts as none
+    guard = Guard(GuardConfig(warmup=False))
+    guard.reset(INFO)
+    caps = [guard.check(PROPOSED, replace(_stats(100.0, kv=0.9), tick_s=tick_s))[0].caps[0]]
+    caps += [guard.check(PROPOSED, _stats(t, kv=0.9, caps=(32,) * 4))[0].caps[0]
+             for t in range(101, 111)]
+    assert caps == [64] * 10 + [16]  # halved 10 s after the first high reading, not before
+    extreme = replace(_stats(1.7976931348623157e308, kv=1.0), tick_s=tick_s)
+    fresh = Guard(GuardConfig(warmup=False))
+    fresh.reset(INFO)
+    out = fresh.check(PROPOSED, extreme)[0]  # raised ValueError (NaN halvings) before
+    assert all(c is not None and 1 <= c <= 64 for c in out.caps)
 
 
 @pytest.mark.parametrize("fallback,expected", [("halve", 16), ("no_batching", 1)])

@@ -137,6 +137,20 @@ def test_peak_commit_projects_vllms_decoding_requests(clock: LiveClock) -> None:
         eng.close()
 
 
+def test_closing_one_engine_keeps_the_others_serving(fp16_engine: VllmEngine,
+                                                    clock: LiveClock) -> None:
+    # vLLM's shutdown tears down the process-wide parallel groups every in-process engine
+    # shares; closing one engine must leave the others able to run a forward pass
+    other = start_vllm_engine(_config(), engine_id=4, pool="fp16", num_buckets=4, clock=clock)
+    other.close()
+    assert other not in clock.engines
+    request = Request(0, fp16_engine.now_s, 50, 6)
+    fp16_engine.add_request(request, 0, 50, False)
+    stats = _drain(fp16_engine)[0]
+    assert len(stats.finished) == 1
+    _check_record(stats.finished[0], request)
+
+
 def test_caps_change_mid_run(fp16_engine: VllmEngine) -> None:
     spec = DeploymentSpec(pools={"fp16": 1}, buckets=BUCKETS, tick_s=0.1)
     dep = build_live_deployment(spec, engines=[fp16_engine])

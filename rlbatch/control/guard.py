@@ -419,7 +419,8 @@ class Guard:
             st.kv_high_limit, st.kv_high_total = None, None
             return caps, total
         if st.kv_high_since_s is None:
-            st.kv_high_since_s = t - stats.tick_s if math.isfinite(stats.tick_s) else t
+            tick = stats.tick_s if 0.0 < stats.tick_s <= t else 0.0  # NaN, < 0, > t: none
+            st.kv_high_since_s = t - tick
         held = t - st.kv_high_since_s
         due = int(held // cfg.kv_high_duration_s) if cfg.kv_high_duration_s > 0 else 1
         if due > st.kv_high_halvings:

@@ -67,6 +67,7 @@ from rlbatch.engine.vllm.probe import (
     stack_distance,
 )
 from rlbatch.engine.vllm.prompts import PromptTokens
+from rlbatch.engine.vllm.shutdown import register_core, shutdown_core
 from rlbatch.request import Request
 
 __all__ = ["VllmEngine"]
@@ -174,6 +175,7 @@ class VllmEngine:
         # iteration sizes run so far, least recently run first (IterationRecord.shape_distance)
         self._token_counts: OrderedDict[int, None] = OrderedDict()
         self._closed = False
+        register_core(llm_engine.engine_core)
         self.iterations: list[IterationRecord] | None = [] if record_iterations else None
         self._reset_interval()
         clock.engines.append(self)
@@ -450,7 +452,7 @@ class VllmEngine:
         if self in self.clock.engines:
             self.clock.engines.remove(self)
         self.telemetry.close()
-        self._engine.engine_core.shutdown()
+        shutdown_core(self._engine.engine_core)
 
     def _finish(self, out: Any, now: float) -> None:
         live = self._by_ext.pop(str(out.request_id), None)
