@@ -12,6 +12,7 @@ import json
 import logging
 import math
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,12 +24,17 @@ from rlbatch.engine.stats import EngineStats, FinishedRequest
 from rlbatch.engine.telemetry import MemoryTelemetry
 from rlbatch.engine.tiny_model import TinyModelSpec, ensure_tiny_model
 from rlbatch.engine.vllm import LiveClock, VllmEngine, VllmEngineConfig, start_vllm_engine
-from rlbatch.profiles.calibrated import CalibratedStepTimeModel, load_profile, save_profile
+from rlbatch.profiles.calibrated import (
+    CalibratedStepTimeModel,
+    StepCoefficients,
+    load_profile,
+    save_profile,
+)
 from rlbatch.request import Request
 from rlbatch.serving.builders import build_live_deployment, profile_sim_engine
 from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.tools.calibrate import calibrate
-from rlbatch.tools.fidelity import run_fidelity
+from rlbatch.tools.fidelity import compare_replays, replay_live, run_fidelity
 from rlbatch.tools.fidelity_scenarios import scale_workload
 from rlbatch.workload import poisson, short_chats
 
@@ -298,6 +304,20 @@ def test_calibrate_and_fidelity(fp16_engine: VllmEngine, tmp_path: Path) -> None
     assert report.e2e.median < 0.5 and report.ttft.median < 1.0
     assert report.throughput_rel_err < 0.3
     assert set(report.targets_met()) == {"latency_median", "latency_p99", "throughput"}
+    # the model charged with the replays' own iterations (both measured replays)
+    assert report.step_time is not None and report.step_time.iterations > 2 * 3
+    assert 0.3 < report.step_time.time_ratio < 3.0
+    # the same live replays compared with two calibrations (fidelity --bracket): one
+    # profile twice gives the same report, a profile twice as slow charges twice the time
+    replays = replay_live(fp16_engine, workload, buckets=BUCKETS)
+    slow = replace(loaded, pools={"fp16": replace(pool, coefficients=StepCoefficients.from_vector(
+        [2.0 * v for v in pool.coefficients.as_vector()]))})
+    a, b, c = compare_replays({"a": loaded, "b": loaded, "slow": slow}, fp16_engine, replays)
+    assert (a.model, b.model, c.model) == ("a", "b", "slow")
+    assert a.ttft == b.ttft and a.e2e == b.e2e and a.step_time == b.step_time
+    assert a.step_time is not None and c.step_time is not None
+    assert math.isclose(c.step_time.time_ratio, 2.0 * a.step_time.time_ratio, rel_tol=1e-9)
+    assert c.e2e.median_signed > a.e2e.median_signed
 
 
 def test_prefix_ids_hit_the_live_prefix_cache(clock: LiveClock) -> None:

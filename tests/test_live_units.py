@@ -9,6 +9,7 @@ import math
 import sys
 import types
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +44,9 @@ from rlbatch.serving.builders import (
 )
 from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.tools.calibrate import default_traffic
-from rlbatch.tools.calibrate_fit import fit_step_model
+from rlbatch.tools.calibrate_fit import fit_step_model, predict_durations
 from rlbatch.tools.fidelity import PercentileComparison
+from rlbatch.tools.fidelity_outcomes import step_time_check
 from rlbatch.tools.fidelity_scenarios import scale_workload
 from rlbatch.workload import build_workload
 
@@ -324,3 +326,23 @@ def test_profile_version_1_is_still_read() -> None:
     profile = profile_from_dict(data)
     fit = profile.pool("fp16").fit
     assert fit.errors.median == 0.05 and fit.errors.n == 100 and math.isnan(fit.errors.max)
+
+
+def test_step_time_check_charges_the_model_with_measured_iterations() -> None:
+    records = _records(CalibratedStepTimeModel(COEFFS))
+    profile = _profile()
+    check = step_time_check(profile, "fp16", records)
+    assert check is not None and check.iterations == len(records)
+    assert math.isclose(check.time_ratio, 1.0, rel_tol=1e-9)
+    assert abs(check.median_bias) < 1e-9
+    # the live engine twice as slow as calibrated: the model charges half
+    slow = [replace(r, end_s=r.prev_end_s + 2.0 * r.duration_s) for r in records]
+    check = step_time_check(profile, "fp16", slow)
+    assert check is not None
+    assert math.isclose(check.time_ratio, 0.5, rel_tol=1e-9)
+    assert math.isclose(check.median_bias, -0.5, rel_tol=1e-9)
+    fit = fit_step_model(records)
+    predicted = predict_durations(records, fit.coefficients, fit.wake, fit.shape_cache)
+    assert np.allclose(predicted, [r.duration_s for r in records], rtol=1e-4)
+    assert step_time_check(profile, "fp16", []) is None
+    assert predict_durations([], COEFFS, fit.wake).size == 0

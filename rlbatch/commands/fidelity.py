@@ -9,6 +9,14 @@ live engine and on its simulated stand-in (:func:`rlbatch.tools.fidelity.run_fid
 and prints the errors against the live engine's own run-to-run floor. ``--baseline`` also
 fits the batch-only step model (profile version 2's) on the same measurements and reports it
 beside the full one: before and after the engine-overhead terms, on the same live replays.
+
+``--bracket`` (on when calibrating here) calibrates the same engine again after the replays
+and compares the simulator with that calibration too, against the same live replays (model
+``after``): the live engine's speed on a shared CPU moves between processes and over minutes,
+and a verdict that holds under one calibration and not under the other says so. Every row
+also charges the step-time model with the replays' own iterations (``step_time``: the
+model's total over the measured one), which separates a calibration that is off from how
+queueing amplifies it.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +41,16 @@ from rlbatch.engine.vllm import (
 from rlbatch.profiles.calibrated import CalibratedProfile, load_profile, save_profile
 from rlbatch.tools.calibrate import calibrate
 from rlbatch.tools.calibrate_fit import fit_step_model
-from rlbatch.tools.fidelity import FidelityReport, model_label, run_fidelity_models
+from rlbatch.tools.fidelity import (
+    FidelityReport,
+    LiveReplays,
+    compare_replays,
+    model_label,
+    replay_live,
+)
 from rlbatch.tools.fidelity_scenarios import (
     SCENARIOS,
+    Scenario,
     capacity,
     default_trace,
     scale_workload,
@@ -87,6 +102,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also fit the batch-only step model (profile version 2) on the "
                              "same sweep, without the probes, and report it beside the full "
                              "one (needs calibrating here)")
+    parser.add_argument("--bracket", action=argparse.BooleanOptionalAction, default=None,
+                        help="calibrate the same engine again after the replays and compare "
+                             "the simulator with that calibration too (model 'after'), on "
+                             "the same live replays (default: on when calibrating here)")
     w = parser.add_argument_group("workloads")
     w.add_argument("--scenarios", type=_scenario_list, default=list(SCENARIOS),
                    help=f"scenarios replayed ('' = none; default {','.join(SCENARIOS)}: "
@@ -142,12 +161,14 @@ def _print_report(rep: FidelityReport, rate: str) -> None:
     hits = "" if rep.prefix_hit_rate_live is None and rep.prefix_hit_rate_sim is None else (
         f"  prefix hits live/sim {_pct(rep.prefix_hit_rate_live)}/"
         f"{_pct(rep.prefix_hit_rate_sim)}")
+    step = "-" if rep.step_time is None else f"{rep.step_time.time_ratio:.3f}"
     print(f"{rep.workload:14s} {rep.pool:4s} {rate:>10s} {rep.model:5s} "
           f"TTFT {rep.ttft.median:6.1%} (floor {_pct(floor_t)}) bias {rep.ttft.median_signed:+6.1%}"
           f" | e2e {rep.e2e.median:6.1%} (floor {_pct(floor_e)}) bias "
           f"{rep.e2e.median_signed:+6.1%} | thr {rep.throughput_rel_err:5.1%} "
           f"(floor {_pct(rep.throughput_floor)}) | preempt {rep.preemptions_live}/"
-          f"{rep.preemptions_sim} | live TTFT p50 {rep.ttft_p50_live_s * 1e3:.1f} ms, e2e p50 "
+          f"{rep.preemptions_sim} | step model/live {step} | live TTFT p50 "
+          f"{rep.ttft_p50_live_s * 1e3:.1f} ms, e2e p50 "
           f"{rep.e2e_p50_live_s * 1e3:.0f} ms, cpu wait {_pct(rep.live_cpu_wait)}{hits}")
     if met is not None:
         print("    targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}"
@@ -156,6 +177,13 @@ def _print_report(rep: FidelityReport, rate: str) -> None:
 
 def _stderr(line: str) -> None:
     print(line, file=sys.stderr)
+
+
+def _calibrate(config: VllmEngineConfig, pool: str, engine: VllmEngine,
+               records: dict[str, list[IterationRecord]] | None = None) -> CalibratedProfile:
+    return calibrate(config, pools=[pool], batches=[*CALIBRATION_BATCHES, config.max_num_seqs],
+                     prompt_lens=[16, 256, 1024], output_lens=[32], engines={pool: engine},
+                     log=_stderr, records_out=records)
 
 
 def _profiles(args: argparse.Namespace, config: VllmEngineConfig, pool: str,
@@ -168,10 +196,7 @@ def _profiles(args: argparse.Namespace, config: VllmEngineConfig, pool: str,
         loaded = load_profile(args.profile)
         return {model_label(loaded, pool): loaded}
     records: dict[str, list[IterationRecord]] = {}
-    profile = calibrate(config, pools=[pool],
-                        batches=[*CALIBRATION_BATCHES, config.max_num_seqs],
-                        prompt_lens=[16, 256, 1024], output_lens=[32],
-                        engines={pool: engine}, log=_stderr, records_out=records)
+    profile = _calibrate(config, pool, engine, records)
     if args.save_profile:
         save_profile(profile, args.save_profile)
     out = {"all": profile}
@@ -184,12 +209,46 @@ def _profiles(args: argparse.Namespace, config: VllmEngineConfig, pool: str,
     return out
 
 
+@dataclass
+class _Job:
+    """One workload replayed on one engine (its scenario and simulated capacity, if any)."""
+
+    engine: VllmEngine
+    workload: Workload
+    label: str
+    scenario: Scenario | None = None
+    cap: float | None = None
+    replays: LiveReplays | None = None
+
+
+def _bracket(args: argparse.Namespace, config: VllmEngineConfig, pool: str,
+             engine: VllmEngine, jobs: list[_Job]) -> list[dict[str, Any]]:
+    """Calibrate ``engine`` again and compare that calibration with the same live replays."""
+    _stderr(f"calibrating {pool} again after the replays (--bracket) ...")
+    after = _calibrate(config, pool, engine)
+    rows: list[dict[str, Any]] = []
+    for job in jobs:
+        assert job.replays is not None
+        cap_after = None if job.scenario is None else capacity(
+            after, job.engine, job.scenario, prompt_scale=args.prompt_scale, seed=args.seed)
+        for rep in compare_replays({"after": after}, job.engine, job.replays):
+            _print_report(rep, job.label)
+            rows.append({**rep.to_row(), "rate": job.label, "capacity_sim": cap_after})
+        if job.cap is not None and cap_after is not None:
+            _stderr(f"    {job.workload.name}: simulated capacity {job.cap:.2f} before the "
+                    f"replays, {cap_after:.2f} after ({cap_after / job.cap - 1:+.1%})")
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
     """Calibrate (or load), replay, compare, report.
 
     :param args: parsed options of :func:`add_arguments`.
     """
     config = live_engine_config_from_args(args)
+    bracket = not args.profile if args.bracket is None else args.bracket
+    if bracket and args.profile:
+        raise ValueError("--bracket needs calibrating here (no --profile)")
     rows: list[dict[str, Any]] = []
     for pool in args.pools:
         pool_config = replace(config, kv_cache_dtype=kv_cache_dtype_for_pool(pool))
@@ -200,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
                   f"blocks of {engine.block_size} tokens)", file=sys.stderr)
             profiles = _profiles(args, config, pool, engine)
             main = profiles[next(reversed(profiles))]
-            jobs: list[tuple[VllmEngine, Workload, str]] = []
+            jobs: list[_Job] = []
             for name in args.scenarios:
                 scenario = SCENARIOS[name]
                 target = engine
@@ -214,16 +273,19 @@ def run(args: argparse.Namespace) -> int:
                                seed=args.seed)
                 rate = scenario.load * cap
                 unit = "conv/s" if scenario.prefix_caching else "req/s"
-                jobs.append((target, scenario_workload(
+                jobs.append(_Job(target, scenario_workload(
                     scenario, rate, target.max_model_len, prompt_scale=args.prompt_scale,
-                    seed=args.seed), f"{rate:.2f} {unit}"))
+                    seed=args.seed), f"{rate:.2f} {unit}", scenario, cap))
                 _stderr(f"  {name}: capacity {cap:.2f} {unit} (simulated), rate {rate:.2f}")
-            jobs += [(engine, w, "-") for w in _extra_workloads(args, engine.max_model_len)]
-            for target, workload, label in jobs:
-                for rep in run_fidelity_models(profiles, target, workload, tick_s=args.tick_s,
-                                               repeats=args.repeats, warmup=args.warmup):
-                    _print_report(rep, label)
-                    rows.append({**rep.to_row(), "rate": label})
+            jobs += [_Job(engine, w, "-") for w in _extra_workloads(args, engine.max_model_len)]
+            for job in jobs:
+                job.replays = replay_live(job.engine, job.workload, tick_s=args.tick_s,
+                                          repeats=args.repeats, warmup=args.warmup)
+                for rep in compare_replays(profiles, job.engine, job.replays):
+                    _print_report(rep, job.label)
+                    rows.append({**rep.to_row(), "rate": job.label, "capacity_sim": job.cap})
+            if bracket and jobs:
+                rows += _bracket(args, config, pool, engine, jobs)
         finally:
             engine.close()
             if cached is not None:

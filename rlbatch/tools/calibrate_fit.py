@@ -38,6 +38,7 @@ __all__ = [
     "WAKE_TAUS_S",
     "StepFit",
     "fit_step_model",
+    "predict_durations",
 ]
 
 FloatArray = npt.NDArray[np.float64]
@@ -77,6 +78,23 @@ def _design(records: Sequence[IterationRecord], shape_cache: int = 0) -> FloatAr
 def _wake_column(records: Sequence[IterationRecord], shape: WakeShape) -> FloatArray:
     return np.array([wake_penalty_s(1.0, shape, r.idle_s, r.since_wake) for r in records],
                     dtype=np.float64)
+
+
+def predict_durations(records: Sequence[IterationRecord], coefficients: StepCoefficients,
+                      wake: WakeShape, shape_cache: int = 0) -> FloatArray:
+    """What the fitted model charges each of ``records`` (their composition, wake-up and
+    iteration-size history as measured).
+
+    :param records: measured iterations.
+    :param coefficients: fitted coefficients.
+    :param wake: the wake-up's shape.
+    :param shape_cache: iteration sizes the primitive cache keeps (0: all).
+    """
+    if not records:
+        return np.zeros(0, dtype=np.float64)
+    x = _design(records, shape_cache)
+    x[:, WAKE_COLUMN] = _wake_column(records, wake)
+    return np.asarray(x @ np.array(coefficients.as_vector(), dtype=np.float64))
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from rlbatch.buckets import Buckets
 from rlbatch.control.types import ControlAction, DeploymentStats
 from rlbatch.engine.base import Engine
 from rlbatch.engine.stats import FinishedRequest
-from rlbatch.engine.vllm import VllmEngine
+from rlbatch.engine.vllm import IterationRecord, VllmEngine
 from rlbatch.profiles.calibrated import CalibratedProfile
 from rlbatch.profiles.relative_error import RelativeErrors, relative_error
 from rlbatch.request import Request
@@ -55,17 +55,28 @@ from rlbatch.serving.admission import AdmissionConfig
 from rlbatch.serving.builders import profile_sim_engine
 from rlbatch.serving.deployment import Deployment, assemble_deployment
 from rlbatch.serving.loop import ControlLoop
+from rlbatch.tools.fidelity_outcomes import (
+    LiveReplays,
+    PercentileComparison,
+    RunOutcome,
+    StepTimeCheck,
+    pooled,
+    step_time_check,
+)
 from rlbatch.workload import Workload
 
 __all__ = [
     "FLOOR_TARGETS",
     "TARGETS",
     "FidelityReport",
+    "LiveReplays",
     "PercentileComparison",
     "RunOutcome",
     "compare",
+    "compare_replays",
     "model_label",
     "replay",
+    "replay_live",
     "run_fidelity",
     "run_fidelity_models",
     "simulate",
@@ -84,67 +95,6 @@ FloatArray = npt.NDArray[np.float64]
 
 
 # --------------------------------------------------------------------------- results
-
-
-@dataclass(frozen=True)
-class PercentileComparison:
-    """Distribution-level comparison of one latency: the live and simulated percentiles
-    (what a controller's P50/P99 signals read) and their relative errors.
-
-    :param live: live (P50, P90, P99) in seconds.
-    :param sim: simulated (P50, P90, P99) in seconds.
-    :param rel_err: ``|sim - live| / live`` per percentile.
-    """
-
-    live: tuple[float, float, float]
-    sim: tuple[float, float, float]
-    rel_err: tuple[float, float, float]
-
-    @classmethod
-    def of(cls, live: FloatArray, sim: FloatArray) -> PercentileComparison:
-        """Percentiles of both samples (NaN when empty).
-
-        :param live: measured values.
-        :param sim: simulated values.
-        """
-        if live.size == 0 or sim.size == 0:
-            nan3 = (math.nan, math.nan, math.nan)
-            return cls(nan3, nan3, nan3)
-        lv = tuple(float(v) for v in np.percentile(live, [50, 90, 99]))
-        sv = tuple(float(v) for v in np.percentile(sim, [50, 90, 99]))
-        err = tuple(relative_error(v, s) for v, s in zip(lv, sv, strict=True))
-        return cls((lv[0], lv[1], lv[2]), (sv[0], sv[1], sv[2]), (err[0], err[1], err[2]))
-
-
-@dataclass(frozen=True)
-class RunOutcome:
-    """One replay of a workload on one deployment.
-
-    :param records: requests that finished or were rejected.
-    :param preemptions: requests preempted (engine counters).
-    :param makespan_s: first arrival to last finish.
-    :param output_tokens: tokens generated.
-    :param wall_s: wall time of the replay.
-    :param prefix_queries: prompt tokens looked up in the prefix cache (first lookups).
-    :param prefix_hits: of those, tokens found cached.
-    """
-
-    records: list[FinishedRequest]
-    preemptions: int
-    makespan_s: float
-    output_tokens: int
-    wall_s: float
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-
-    @property
-    def prefix_hit_rate(self) -> float | None:
-        """Prefix-cache hits per prompt token looked up (``None``: nothing looked up)."""
-        return self.prefix_hits / self.prefix_queries if self.prefix_queries else None
-
-    @property
-    def throughput_tok_s(self) -> float:
-        return self.output_tokens / self.makespan_s if self.makespan_s > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -181,6 +131,9 @@ class FidelityReport:
     :param prefix_hit_rate_sim: the simulator's (``None``: it looked nothing up).
     :param live_cpu_wait: share of the live replays' iteration time the engine thread waited
         for a CPU (other processes), or ``None``.
+    :param step_time: the step-time model charged with the live replays' own iterations
+        (how far the calibration is from the live engine's speed during the replays, before
+        queueing amplifies it), or ``None``.
     """
 
     workload: str
@@ -210,6 +163,7 @@ class FidelityReport:
     prefix_hit_rate_live: float | None = None
     prefix_hit_rate_sim: float | None = None
     live_cpu_wait: float | None = None
+    step_time: StepTimeCheck | None = None
 
     def floor_targets(self) -> dict[str, bool] | None:
         """Issue 12's targets (:data:`FLOOR_TARGETS`), ``None`` without a floor."""
@@ -311,8 +265,8 @@ def compare(workload: str, pool: str, n_requests: int, live: RunOutcome | Sequen
         pairs += [(live_by_id[i], sim_by_id[i])
                   for i in sorted(set(live_by_id) & set(sim_by_id))]
     ids = pairs
-    live = _pooled(lives)
-    sim = _pooled(sims)
+    live = pooled(lives)
+    sim = pooled(sims)
 
     def pair(attr: str) -> tuple[FloatArray, FloatArray]:
         lv = np.array([getattr(a, attr) for a, _ in pairs], dtype=np.float64)
@@ -340,18 +294,6 @@ def compare(workload: str, pool: str, n_requests: int, live: RunOutcome | Sequen
         ttft_pct=PercentileComparison.of(ttft_l, ttft_s),
         e2e_pct=PercentileComparison.of(e2e_l, e2e_s),
         prefix_hit_rate_live=live.prefix_hit_rate, prefix_hit_rate_sim=sim.prefix_hit_rate)
-
-
-def _pooled(runs: Sequence[RunOutcome]) -> RunOutcome:
-    """Several replays as one: totals summed (throughput = all tokens over all makespans)."""
-    if len(runs) == 1:
-        return runs[0]
-    return RunOutcome([r for run in runs for r in run.records],
-                      sum(run.preemptions for run in runs),
-                      sum(run.makespan_s for run in runs),
-                      sum(run.output_tokens for run in runs), sum(run.wall_s for run in runs),
-                      sum(run.prefix_queries for run in runs),
-                      sum(run.prefix_hits for run in runs))
 
 
 def run_fidelity(profile: CalibratedProfile, engine: VllmEngine, workload: Workload, *,
@@ -400,6 +342,17 @@ def run_fidelity_models(profiles: Mapping[str, CalibratedProfile], engine: VllmE
     :param warmup: live replays before those, not measured.
     :returns: one report per profile, in order.
     """
+    return compare_replays(profiles, engine,
+                           replay_live(engine, workload, buckets=buckets, cap=cap,
+                                       tick_s=tick_s, drain_s=drain_s, repeats=repeats,
+                                       warmup=warmup))
+
+
+def replay_live(engine: VllmEngine, workload: Workload, *, buckets: Buckets | None = None,
+                cap: int | None = None, tick_s: float = 1.0, drain_s: float = 120.0,
+                repeats: int = 1, warmup: int = 0) -> LiveReplays:
+    """Replay ``workload`` on the live ``engine``: ``warmup`` times unmeasured, then
+    ``repeats`` times measured (parameters as :func:`run_fidelity_models`)."""
     if not engine.is_idle():
         raise RuntimeError("run_fidelity needs an idle engine")
     if repeats not in (1, 2):
@@ -413,7 +366,7 @@ def run_fidelity_models(profiles: Mapping[str, CalibratedProfile], engine: VllmE
     budget = engine.config.max_num_batched_tokens
     lives: list[RunOutcome] = []
     shapes: list[tuple[int, ...]] = []
-    busy = cpu = 0.0
+    iterations: list[IterationRecord] = []
     for k in range(warmup + repeats):
         engine.set_max_num_seqs(engine.configured_max_num_seqs)
         engine.snapshot()
@@ -426,20 +379,35 @@ def run_fidelity_models(profiles: Mapping[str, CalibratedProfile], engine: VllmE
         records = engine.stop_recording()
         if k < warmup:
             continue
-        busy += sum(r.duration_s for r in records)
-        cpu += sum(r.cpu_s for r in records if math.isfinite(r.cpu_s))
+        iterations += records
         q, h = engine.prefix_cache_totals()
         lives.append(replace(outcome, prefix_queries=q - queries, prefix_hits=h - hits))
         shapes.append(before)
-    floor = compare(workload.name, engine.pool, len(workload.requests), lives[0], lives[1]) \
-        if repeats == 2 else None
+    return LiveReplays(workload.name, engine.pool, tuple(workload.requests), buckets, cap,
+                       tick_s, drain_s, tuple(lives), tuple(shapes), tuple(iterations))
+
+
+def compare_replays(profiles: Mapping[str, CalibratedProfile], engine: VllmEngine,
+                    replays: LiveReplays) -> list[FidelityReport]:
+    """Run the simulator with each profile against the live ``replays`` of ``engine``
+    (each simulated run from the engine's state before the replay it is compared with).
+
+    :param profiles: label -> calibrated profile (each must hold ``engine.pool``).
+    :param engine: the live engine replayed (its pool, KV blocks and budgets).
+    :param replays: its measured replays (:func:`replay_live`).
+    :returns: one report per profile, in order.
+    """
+    lives = replays.outcomes
+    floor = compare(replays.workload, replays.pool, len(replays.requests), lives[0], lives[1]) \
+        if len(lives) == 2 else None
     reports = []
     for label, profile in profiles.items():
-        sims = [simulate(profile, engine, workload.requests, buckets=buckets, cap=cap,
-                         tick_s=tick_s, drain_s=drain_s, token_counts=seen) for seen in shapes]
-        report = replace(compare(workload.name, engine.pool, len(workload.requests), lives,
-                                 sims), model=label,
-                         live_cpu_wait=1.0 - cpu / busy if busy > 0 else None)
+        sims = [simulate(profile, engine, replays.requests, buckets=replays.buckets,
+                         cap=replays.cap, tick_s=replays.tick_s, drain_s=replays.drain_s,
+                         token_counts=seen) for seen in replays.token_counts]
+        report = replace(compare(replays.workload, replays.pool, len(replays.requests), lives,
+                                 sims), model=label, live_cpu_wait=replays.cpu_wait,
+                         step_time=step_time_check(profile, replays.pool, replays.iterations))
         if floor is not None:
             report = replace(report, ttft_floor=floor.ttft, e2e_floor=floor.e2e,
                              throughput_floor=floor.throughput_rel_err)
