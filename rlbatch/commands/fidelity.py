@@ -12,8 +12,9 @@ beside the full one: before and after the engine-overhead terms, on the same liv
 
 ``--bracket`` (on when calibrating here) calibrates the same engine again after the replays
 and compares the simulator with that calibration too, against the same live replays (model
-``after``): the live engine's speed on a shared CPU moves between processes and over minutes,
-and a verdict that holds under one calibration and not under the other says so. Every row
+``after``), and with one fit on both sweeps' iterations (``both``): the live engine's speed
+on a shared CPU moves between processes and over minutes, and a verdict that holds under one
+calibration and not under the other says so. Every row
 also charges the step-time model with the replays' own iterations (``step_time``: the
 model's total over the measured one), which separates a calibration that is off from how
 queueing amplifies it.
@@ -40,7 +41,7 @@ from rlbatch.engine.vllm import (
 )
 from rlbatch.profiles.calibrated import CalibratedProfile, load_profile, save_profile
 from rlbatch.tools.calibrate import calibrate
-from rlbatch.tools.calibrate_fit import fit_step_model
+from rlbatch.tools.calibrate_fit import StepFit, fit_step_model
 from rlbatch.tools.fidelity import (
     FidelityReport,
     LiveReplays,
@@ -104,8 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "one (needs calibrating here)")
     parser.add_argument("--bracket", action=argparse.BooleanOptionalAction, default=None,
                         help="calibrate the same engine again after the replays and compare "
-                             "the simulator with that calibration too (model 'after'), on "
-                             "the same live replays (default: on when calibrating here)")
+                             "the simulator with that calibration (model 'after') and with "
+                             "one fit on both sweeps (model 'both') too, on the same live "
+                             "replays (default: on when calibrating here)")
     w = parser.add_argument_group("workloads")
     w.add_argument("--scenarios", type=_scenario_list, default=list(SCENARIOS),
                    help=f"scenarios replayed ('' = none; default {','.join(SCENARIOS)}: "
@@ -187,25 +189,24 @@ def _calibrate(config: VllmEngineConfig, pool: str, engine: VllmEngine,
 
 
 def _profiles(args: argparse.Namespace, config: VllmEngineConfig, pool: str,
-              engine: VllmEngine) -> dict[str, CalibratedProfile]:
+              engine: VllmEngine,
+              records: dict[str, list[IterationRecord]]) -> dict[str, CalibratedProfile]:
     """The profile(s) to simulate: loaded, or calibrated on ``engine`` (and with
-    ``--baseline`` the batch-only fit of the same measurements)."""
+    ``--baseline`` the batch-only fit of the same measurements); ``records`` is filled with
+    the calibration's iterations."""
     if args.profile:
         if args.baseline:
             raise ValueError("--baseline needs calibrating here (no --profile)")
         loaded = load_profile(args.profile)
         return {model_label(loaded, pool): loaded}
-    records: dict[str, list[IterationRecord]] = {}
     profile = _calibrate(config, pool, engine, records)
     if args.save_profile:
         save_profile(profile, args.save_profile)
     out = {"all": profile}
     if args.baseline:
         # the model before issue 12: batch terms only, fitted on the sweep without the probes
-        fit = fit_step_model(records[f"{pool}:sweep"], terms="batch")
-        base = replace(profile.pools[pool], coefficients=fit.coefficients, fit=fit.report,
-                       wake=fit.wake, shape_cache=fit.shape_cache)
-        out = {"batch": replace(profile, pools={**profile.pools, pool: base}), **out}
+        base = _with_fit(profile, pool, fit_step_model(records[f"{pool}:sweep"], terms="batch"))
+        out = {"batch": base, **out}
     return out
 
 
@@ -221,22 +222,36 @@ class _Job:
     replays: LiveReplays | None = None
 
 
+def _with_fit(profile: CalibratedProfile, pool: str, fit: StepFit) -> CalibratedProfile:
+    """``profile`` with ``pool``'s step-time model replaced by ``fit``."""
+    cal = replace(profile.pools[pool], coefficients=fit.coefficients, fit=fit.report,
+                  wake=fit.wake, shape_cache=fit.shape_cache)
+    return replace(profile, pools={**profile.pools, pool: cal})
+
+
 def _bracket(args: argparse.Namespace, config: VllmEngineConfig, pool: str,
-             engine: VllmEngine, jobs: list[_Job]) -> list[dict[str, Any]]:
-    """Calibrate ``engine`` again and compare that calibration with the same live replays."""
+             engine: VllmEngine, jobs: list[_Job],
+             before: dict[str, list[IterationRecord]]) -> list[dict[str, Any]]:
+    """Calibrate ``engine`` again and compare that calibration (``after``), and one fit on
+    both sweeps' iterations (``both``), with the same live replays."""
     _stderr(f"calibrating {pool} again after the replays (--bracket) ...")
-    after = _calibrate(config, pool, engine)
+    records: dict[str, list[IterationRecord]] = {}
+    after = _calibrate(config, pool, engine, records)
+    models = {"after": after,
+              "both": _with_fit(after, pool, fit_step_model(before[pool] + records[pool]))}
     rows: list[dict[str, Any]] = []
     for job in jobs:
         assert job.replays is not None
-        cap_after = None if job.scenario is None else capacity(
-            after, job.engine, job.scenario, prompt_scale=args.prompt_scale, seed=args.seed)
-        for rep in compare_replays({"after": after}, job.engine, job.replays):
+        caps = {} if job.scenario is None else {
+            label: capacity(p, job.engine, job.scenario, prompt_scale=args.prompt_scale,
+                            seed=args.seed) for label, p in models.items()}
+        for rep in compare_replays(models, job.engine, job.replays):
             _print_report(rep, job.label)
-            rows.append({**rep.to_row(), "rate": job.label, "capacity_sim": cap_after})
-        if job.cap is not None and cap_after is not None:
+            rows.append({**rep.to_row(), "rate": job.label,
+                         "capacity_sim": caps.get(rep.model)})
+        if job.cap is not None and caps:
             _stderr(f"    {job.workload.name}: simulated capacity {job.cap:.2f} before the "
-                    f"replays, {cap_after:.2f} after ({cap_after / job.cap - 1:+.1%})")
+                    f"replays, {caps['after']:.2f} after, {caps['both']:.2f} on both sweeps")
     return rows
 
 
@@ -257,7 +272,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             print(f"{pool} engine ready in {engine.startup_s:.1f} s ({engine.num_kv_blocks} KV "
                   f"blocks of {engine.block_size} tokens)", file=sys.stderr)
-            profiles = _profiles(args, config, pool, engine)
+            records: dict[str, list[IterationRecord]] = {}
+            profiles = _profiles(args, config, pool, engine, records)
             main = profiles[next(reversed(profiles))]
             jobs: list[_Job] = []
             for name in args.scenarios:
@@ -285,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
                     _print_report(rep, job.label)
                     rows.append({**rep.to_row(), "rate": job.label, "capacity_sim": job.cap})
             if bracket and jobs:
-                rows += _bracket(args, config, pool, engine, jobs)
+                rows += _bracket(args, config, pool, engine, jobs, records)
         finally:
             engine.close()
             if cached is not None:
