@@ -46,7 +46,7 @@ from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.tools.calibrate import default_traffic
 from rlbatch.tools.calibrate_fit import fit_step_model, predict_durations
 from rlbatch.tools.fidelity import PercentileComparison
-from rlbatch.tools.fidelity_outcomes import step_time_check
+from rlbatch.tools.fidelity_outcomes import leveled, step_time_check
 from rlbatch.tools.fidelity_scenarios import scale_workload
 from rlbatch.workload import build_workload
 
@@ -345,4 +345,10 @@ def test_step_time_check_charges_the_model_with_measured_iterations() -> None:
     predicted = predict_durations(records, fit.coefficients, fit.wake, fit.shape_cache)
     assert np.allclose(predicted, [r.duration_s for r in records], rtol=1e-4)
     assert step_time_check(profile, "fp16", []) is None
+    # leveled to the slow iterations: the same shape at half the speed
+    slowed = leveled(profile, "fp16", slow)
+    assert slowed is not None and leveled(profile, "fp16", []) is None
+    again = step_time_check(slowed, "fp16", slow)
+    assert again is not None and math.isclose(again.time_ratio, 1.0, rel_tol=1e-9)
+    assert slowed.pools["fp8"] == profile.pools["fp8"]
     assert predict_durations([], COEFFS, fit.wake).size == 0

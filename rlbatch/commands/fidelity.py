@@ -49,6 +49,7 @@ from rlbatch.tools.fidelity import (
     model_label,
     replay_live,
 )
+from rlbatch.tools.fidelity_outcomes import leveled
 from rlbatch.tools.fidelity_scenarios import (
     SCENARIOS,
     Scenario,
@@ -108,6 +109,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the simulator with that calibration (model 'after') and with "
                              "one fit on both sweeps (model 'both') too, on the same live "
                              "replays (default: on when calibrating here)")
+    parser.add_argument("--level-on-warmup", action="store_true",
+                        help="also simulate each profile scaled to the speed the live engine "
+                             "showed in the workload's last unmeasured replay (model "
+                             "'<model>@warm'; needs --warmup >= 1): tells a calibration whose "
+                             "level drifted from one whose shape is off")
     w = parser.add_argument_group("workloads")
     w.add_argument("--scenarios", type=_scenario_list, default=list(SCENARIOS),
                    help=f"scenarios replayed ('' = none; default {','.join(SCENARIOS)}: "
@@ -264,6 +270,8 @@ def run(args: argparse.Namespace) -> int:
     bracket = not args.profile if args.bracket is None else args.bracket
     if bracket and args.profile:
         raise ValueError("--bracket needs calibrating here (no --profile)")
+    if args.level_on_warmup and args.warmup < 1:
+        raise ValueError("--level-on-warmup needs --warmup >= 1")
     rows: list[dict[str, Any]] = []
     for pool in args.pools:
         pool_config = replace(config, kv_cache_dtype=kv_cache_dtype_for_pool(pool))
@@ -297,7 +305,11 @@ def run(args: argparse.Namespace) -> int:
             for job in jobs:
                 job.replays = replay_live(job.engine, job.workload, tick_s=args.tick_s,
                                           repeats=args.repeats, warmup=args.warmup)
-                for rep in compare_replays(profiles, job.engine, job.replays):
+                models = dict(profiles)
+                if args.level_on_warmup:
+                    models |= {f"{k}@warm": lv for k, p in profiles.items()
+                               if (lv := leveled(p, pool, job.replays.warmup_iterations))}
+                for rep in compare_replays(models, job.engine, job.replays):
                     _print_report(rep, job.label)
                     rows.append({**rep.to_row(), "rate": job.label, "capacity_sim": job.cap})
             if bracket and jobs:

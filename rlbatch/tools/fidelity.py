@@ -367,6 +367,7 @@ def replay_live(engine: VllmEngine, workload: Workload, *, buckets: Buckets | No
     lives: list[RunOutcome] = []
     shapes: list[tuple[int, ...]] = []
     iterations: list[IterationRecord] = []
+    warm: list[IterationRecord] = []
     for k in range(warmup + repeats):
         engine.set_max_num_seqs(engine.configured_max_num_seqs)
         engine.snapshot()
@@ -378,13 +379,15 @@ def replay_live(engine: VllmEngine, workload: Workload, *, buckets: Buckets | No
         outcome = replay(live_dep, workload.requests, action, drain_s=drain_s)
         records = engine.stop_recording()
         if k < warmup:
+            warm = records
             continue
         iterations += records
         q, h = engine.prefix_cache_totals()
         lives.append(replace(outcome, prefix_queries=q - queries, prefix_hits=h - hits))
         shapes.append(before)
     return LiveReplays(workload.name, engine.pool, tuple(workload.requests), buckets, cap,
-                       tick_s, drain_s, tuple(lives), tuple(shapes), tuple(iterations))
+                       tick_s, drain_s, tuple(lives), tuple(shapes), tuple(iterations),
+                       tuple(warm))
 
 
 def compare_replays(profiles: Mapping[str, CalibratedProfile], engine: VllmEngine,

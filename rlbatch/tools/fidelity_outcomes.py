@@ -6,14 +6,15 @@ state before each, their iterations), so that the simulator can be run against t
 another calibration later (``rlbatch fidelity --bracket``: a second calibration after the
 replays, in the same process). :func:`step_time_check` charges the model with the replays'
 own iterations: how far the calibrated step time is from what the live engine took, apart
-from how queueing amplifies it.
+from how queueing amplifies it; :func:`leveled` scales a calibration to the speed an
+unmeasured replay showed.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -21,13 +22,13 @@ import numpy.typing as npt
 from rlbatch.buckets import Buckets
 from rlbatch.engine.stats import FinishedRequest
 from rlbatch.engine.vllm import IterationRecord
-from rlbatch.profiles.calibrated import CalibratedProfile
+from rlbatch.profiles.calibrated import CalibratedProfile, StepCoefficients
 from rlbatch.profiles.relative_error import relative_error
 from rlbatch.request import Request
 from rlbatch.tools.calibrate_fit import predict_durations
 
-__all__ = ["LiveReplays", "PercentileComparison", "RunOutcome", "StepTimeCheck", "pooled",
-           "step_time_check"]
+__all__ = ["LiveReplays", "PercentileComparison", "RunOutcome", "StepTimeCheck", "leveled",
+           "pooled", "step_time_check"]
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -120,6 +121,7 @@ class LiveReplays:
     :param outcomes: the measured replays, in order.
     :param token_counts: per replay, the iteration sizes the engine had run before it.
     :param iterations: the measured replays' iterations, in order.
+    :param warmup_iterations: the iterations of the last unmeasured replay before them.
     """
 
     workload: str
@@ -132,6 +134,7 @@ class LiveReplays:
     outcomes: tuple[RunOutcome, ...]
     token_counts: tuple[tuple[int, ...], ...]
     iterations: tuple[IterationRecord, ...]
+    warmup_iterations: tuple[IterationRecord, ...] = ()
 
     @property
     def cpu_wait(self) -> float | None:
@@ -173,3 +176,23 @@ def step_time_check(profile: CalibratedProfile, pool: str,
     measured = np.array([r.end_s - r.prev_end_s for r in rows], dtype=np.float64)
     return StepTimeCheck(float(predicted.sum() / measured.sum()),
                          float(np.median(predicted / measured) - 1.0), len(rows))
+
+
+def leveled(profile: CalibratedProfile, pool: str,
+            iterations: Sequence[IterationRecord]) -> CalibratedProfile | None:
+    """``profile`` with ``pool``'s step-time coefficients all scaled by one factor, so that
+    the model charges ``iterations`` what they took (``None`` without any): the calibrated
+    shape at the speed the engine showed on them. Used with an unmeasured replay's
+    iterations, to tell a calibration whose level drifted from one whose shape is off.
+
+    :param profile: a calibrated profile holding ``pool``.
+    :param pool: the pool measured.
+    :param iterations: measured live iterations (not those the comparison then scores).
+    """
+    check = step_time_check(profile, pool, iterations)
+    if check is None or not check.time_ratio > 0:
+        return None
+    cal = profile.pool(pool)
+    scaled = StepCoefficients.from_vector([v / check.time_ratio
+                                           for v in cal.coefficients.as_vector()])
+    return replace(profile, pools={**profile.pools, pool: replace(cal, coefficients=scaled)})

@@ -443,6 +443,7 @@ class VllmEngine:
         """Follow a :meth:`LiveClock.reset`: the clock restarts at 0 (engine idle)."""
         self._now = self.clock.now()
         self._interval_start = self._now
+        self._last_cpu = time.thread_time()  # CPU spent before the reset is not the next step's
 
     def close(self) -> None:
         """Shut the engine core down (frees its memory); the engine is unusable after."""
