@@ -17,7 +17,9 @@ on a shared CPU moves between processes and over minutes, and a verdict that hol
 calibration and not under the other says so. Every row
 also charges the step-time model with the replays' own iterations (``step_time``: the
 model's total over the measured one), which separates a calibration that is off from how
-queueing amplifies it.
+queueing amplifies it. ``--level-on-warmup`` also runs each profile scaled by one factor to
+the speed the engine showed in the workload's unmeasured warm-up replay (``<model>@warm``):
+the calibrated shape at the level of the minutes being scored.
 """
 
 from __future__ import annotations
