@@ -41,8 +41,9 @@ def _probe(path: Path) -> None:
 
 
 def _summary(path: Path, window_s: float) -> None:
-    rows = [tuple(float(v) for v in line.split()) for line in path.read_text().splitlines()
-            if line.strip()]
+    # a line the probe is still writing has fewer fields
+    rows = [tuple(float(v) for v in fields) for fields in
+            (line.split() for line in path.read_text().splitlines()) if len(fields) == 3]
     if not rows:
         sys.exit(f"{path}: no samples")
     t0 = rows[0][0]

@@ -133,7 +133,7 @@ def test_kv_high_for_10s_halves_then_releases() -> None:
 @pytest.mark.parametrize("tick_s", [-1e292, float("nan"), float("inf"), 1e300])
 def test_kv_high_with_an_odd_tick_counts_from_now(tick_s: float) -> None:
     # found by the property test above (the largest float as time, a tick of -1e292: the
-    # rule's start at -inf, the halvings due at NaN); a tick outside [0, t] counts as none
+    # rule's start at -inf, the halvings due at NaN); a tick outside (0, t] counts as none
     guard = Guard(GuardConfig(warmup=False))
     guard.reset(INFO)
     caps = [guard.check(PROPOSED, replace(_stats(100.0, kv=0.9), tick_s=tick_s))[0].caps[0]]

@@ -148,7 +148,10 @@ def test_closing_one_engine_keeps_the_others_serving(fp16_engine: VllmEngine,
     # vLLM's shutdown tears down the process-wide parallel groups every in-process engine
     # shares; closing one engine must leave the others able to run a forward pass
     other = start_vllm_engine(_config(), engine_id=4, pool="fp16", num_buckets=4, clock=clock)
-    other.close()
+    try:
+        assert other in clock.engines
+    finally:
+        other.close()
     assert other not in clock.engines
     request = Request(0, fp16_engine.now_s, 50, 6)
     fp16_engine.add_request(request, 0, 50, False)

@@ -352,3 +352,50 @@ def test_step_time_check_charges_the_model_with_measured_iterations() -> None:
     assert again is not None and math.isclose(again.time_ratio, 1.0, rel_tol=1e-9)
     assert slowed.pools["fp8"] == profile.pools["fp8"]
     assert predict_durations([], COEFFS, fit.wake).size == 0
+
+
+class _FakeCoreClient:
+    """A fake ``LLMEngine.engine_core`` (no engine: only what shutting one down calls). Its
+    ``shutdown`` calls vLLM's teardown through ``vllm.v1.engine.core``'s name, as
+    ``EngineCore.shutdown`` does."""
+
+    def __init__(self, core_module: Any) -> None:
+        self.core_module = core_module
+
+    def shutdown(self) -> None:
+        self.core_module.cleanup_dist_env_and_memory()
+
+
+def test_shutdown_core_spares_the_groups_other_engines_share(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+    import importlib
+    import weakref
+
+    from rlbatch.engine.vllm import shutdown
+
+    core_module = importlib.import_module("vllm.v1.engine.core")
+    teardowns: list[bool] = []
+
+    def teardown(shutdown_ray: bool = False) -> None:
+        teardowns.append(shutdown_ray)
+
+    monkeypatch.setattr(core_module, "cleanup_dist_env_and_memory", teardown)
+    monkeypatch.setattr(shutdown, "_OPEN", weakref.WeakSet())
+    a, b = _FakeCoreClient(core_module), _FakeCoreClient(core_module)
+    shutdown.register_core(a)
+    shutdown.register_core(b)
+    assert shutdown.open_engines() == 2
+    shutdown.shutdown_core(a)  # b still open: vLLM's teardown skipped
+    assert teardowns == [] and shutdown.open_engines() == 1
+    assert core_module.cleanup_dist_env_and_memory is teardown  # restored
+    shutdown.shutdown_core(b)  # the last one: torn down as vLLM does
+    assert teardowns == [False] and shutdown.open_engines() == 0
+    # a core dropped without a shutdown stops counting
+    dropped = _FakeCoreClient(core_module)
+    shutdown.register_core(dropped)
+    del dropped
+    gc.collect()
+    assert shutdown.open_engines() == 0
+    shutdown.shutdown_core(_FakeCoreClient(core_module))
+    assert teardowns == [False, False]

@@ -35,8 +35,9 @@ from rlbatch.profiles.calibrated import (
 from rlbatch.profiles.relative_error import RelativeErrors
 from rlbatch.request import PREFIX_BLOCK_TOKENS, Request
 from rlbatch.serving.builders import profile_sim_engine
-from rlbatch.tools.calibrate_fit import fit_step_model
+from rlbatch.tools.calibrate_fit import fit_step_model, predict_durations
 from rlbatch.tools.fidelity import FidelityReport, RunOutcome, _deployment, compare, replay
+from rlbatch.tools.fidelity_outcomes import leveled, step_time_check
 from rlbatch.tools.fidelity_scenarios import SCENARIOS, capacity, scenario_workload
 from rlbatch.workload import conversations
 
@@ -337,3 +338,29 @@ def test_compare_pools_runs_and_floor_targets() -> None:
     assert isinstance(rep, FidelityReport) and rep.to_row()["floor_targets_met"] is not None
     with pytest.raises(ValueError, match="as many"):
         compare("w", "fp16", 3, live, sim[:1])
+
+
+def test_predict_durations_and_leveled_carry_every_overhead() -> None:
+    records = _synthetic_records()
+    durations = np.array([r.duration_s for r in records])
+    fit = fit_step_model(records)
+    assert fit.coefficients.wake_s > 0 and fit.shape_cache == 128
+    assert np.allclose(predict_durations(records, fit.coefficients, fit.wake, fit.shape_cache),
+                       durations, rtol=1e-4)
+    # the wake-up's shape and the primitive cache's size both matter to the charge
+    assert not np.allclose(predict_durations(records, fit.coefficients, WakeShape(),
+                                             fit.shape_cache), durations, rtol=1e-4)
+    assert not np.allclose(predict_durations(records, fit.coefficients, fit.wake, 0),
+                           durations, rtol=1e-4)
+    profile = _profile(fit.coefficients, fit.wake)
+    profile = replace(profile, pools={"fp16": replace(profile.pools["fp16"],
+                                                      shape_cache=fit.shape_cache)})
+    slow = [replace(r, end_s=r.prev_end_s + 1.5 * r.duration_s) for r in records]
+    check = step_time_check(profile, "fp16", slow)
+    assert check is not None and math.isclose(check.time_ratio, 1 / 1.5, rel_tol=1e-4)
+    level = leveled(profile, "fp16", slow)
+    assert level is not None
+    check = step_time_check(level, "fp16", slow)
+    # every term scaled: each iteration charged what it took, not only the total
+    assert check is not None and math.isclose(check.time_ratio, 1.0, rel_tol=1e-4)
+    assert abs(check.median_bias) < 1e-4

@@ -172,7 +172,7 @@ def _print_report(rep: FidelityReport, rate: str) -> None:
         f"  prefix hits live/sim {_pct(rep.prefix_hit_rate_live)}/"
         f"{_pct(rep.prefix_hit_rate_sim)}")
     step = "-" if rep.step_time is None else f"{rep.step_time.time_ratio:.3f}"
-    print(f"{rep.workload:14s} {rep.pool:4s} {rate:>10s} {rep.model:5s} "
+    print(f"{rep.workload:14s} {rep.pool:4s} {rate:>10s} {rep.model:8s} "
           f"TTFT {rep.ttft.median:6.1%} (floor {_pct(floor_t)}) bias {rep.ttft.median_signed:+6.1%}"
           f" | e2e {rep.e2e.median:6.1%} (floor {_pct(floor_e)}) bias "
           f"{rep.e2e.median_signed:+6.1%} | thr {rep.throughput_rel_err:5.1%} "

@@ -175,10 +175,10 @@ class VllmEngine:
         # iteration sizes run so far, least recently run first (IterationRecord.shape_distance)
         self._token_counts: OrderedDict[int, None] = OrderedDict()
         self._closed = False
-        register_core(llm_engine.engine_core)
         self.iterations: list[IterationRecord] | None = [] if record_iterations else None
         self._reset_interval()
         clock.engines.append(self)
+        register_core(llm_engine.engine_core)  # last: a failed construction never counts
 
     # ----------------------------------------------------------------- Engine protocol
     @property

@@ -25,6 +25,7 @@ from rlbatch.engine.vllm.clock import LiveClock
 from rlbatch.engine.vllm.config import TINY_MODEL, VllmEngineConfig, kv_cache_dtype_for_pool
 from rlbatch.engine.vllm.engine import VllmEngine
 from rlbatch.engine.vllm.probe import StatCollector
+from rlbatch.engine.vllm.shutdown import shutdown_core
 
 __all__ = ["running_engines", "start_vllm_engine", "start_vllm_pools"]
 
@@ -115,14 +116,21 @@ def start_vllm_engine(config: VllmEngineConfig, *, engine_id: int = 0, pool: str
         llm_engine.engine_core.shutdown()
         raise RuntimeError("vLLM started a multiprocess engine core; VllmEngine needs the "
                            "in-process one (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
-    vocab = _vocabulary_ids(llm_engine)
-    rng = np.random.default_rng(config.seed)
-    prompt_pool = rng.choice(np.asarray(vocab, dtype=np.int64), size=2 * config.max_model_len)
-    startup_s = time.monotonic() - started
-    engine = VllmEngine(
-        engine_id, pool or config.precision, llm_engine, collector, config,
-        clock or LiveClock(), num_buckets, prompt_pool.tolist(), telemetry=telemetry,
-        record_iterations=record_iterations, startup_s=startup_s)
+    try:
+        vocab = _vocabulary_ids(llm_engine)
+        rng = np.random.default_rng(config.seed)
+        prompt_pool = rng.choice(np.asarray(vocab, dtype=np.int64),
+                                 size=2 * config.max_model_len)
+        startup_s = time.monotonic() - started
+        engine = VllmEngine(
+            engine_id, pool or config.precision, llm_engine, collector, config,
+            clock or LiveClock(), num_buckets, prompt_pool.tolist(), telemetry=telemetry,
+            record_iterations=record_iterations, startup_s=startup_s)
+    except BaseException:
+        # shut the core down now, sparing the groups of the engines still open in this
+        # process (vLLM's finalizer would tear them down later)
+        shutdown_core(llm_engine.engine_core)
+        raise
     _LOG.info("vLLM engine %d (%s) ready in %.1f s: %d KV blocks of %d tokens, max_num_seqs "
               "%d", engine_id, engine.pool, startup_s, engine.num_kv_blocks, engine.block_size,
               engine.configured_max_num_seqs)

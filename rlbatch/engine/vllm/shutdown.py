@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import gc
 import importlib
+import weakref
 from typing import Any
 
 __all__ = ["open_engines", "register_core", "shutdown_core"]
 
-# ids of the in-process engine cores opened and not yet shut down (ids, not objects: the
-# registry must not keep a closed-over engine alive)
-_OPEN: set[int] = set()
+# the in-process engine cores opened and not yet shut down; weak, so that a core dropped
+# without a shutdown (vLLM's own finalizer then tears it down) stops counting
+_OPEN: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def open_engines() -> int:
@@ -28,15 +29,16 @@ def open_engines() -> int:
 
 def register_core(client: Any) -> None:
     """Count ``client`` (an ``LLMEngine.engine_core``) as open."""
-    _OPEN.add(id(client))
+    _OPEN.add(client)
 
 
 def shutdown_core(client: Any) -> None:
     """Shut ``client`` down; keep the shared distributed state while other engines are open.
 
-    :param client: an ``LLMEngine.engine_core`` registered with :func:`register_core`.
+    :param client: an ``LLMEngine.engine_core`` (registered with :func:`register_core` or
+        not: one that never was is shut down as the others' count allows).
     """
-    _OPEN.discard(id(client))
+    _OPEN.discard(client)
     if not _OPEN:
         client.shutdown()
         return
