@@ -14,12 +14,12 @@ beside the full one: before and after the engine-overhead terms, on the same liv
 and compares the simulator with that calibration too, against the same live replays (model
 ``after``), and with one fit on both sweeps' iterations (``both``): the live engine's speed
 on a shared CPU moves between processes and over minutes, and a verdict that holds under one
-calibration and not under the other says so. Every row
-also charges the step-time model with the replays' own iterations (``step_time``: the
-model's total over the measured one), which separates a calibration that is off from how
-queueing amplifies it. ``--level-on-warmup`` also runs each profile scaled by one factor to
-the speed the engine showed in the workload's unmeasured warm-up replay (``<model>@warm``):
-the calibrated shape at the level of the minutes being scored.
+calibration and not under the other says so. Every row also charges the step-time model
+with the replays' own iterations (``step_time``: the model's total over the measured one),
+which separates a calibration that is off from how queueing amplifies it.
+``--level-on-warmup`` also runs each profile scaled by one factor to the speed the engine
+showed in the workload's unmeasured warm-up replay (``<model>@warm``): the calibrated shape
+at the level of the minutes being scored.
 """
 
 from __future__ import annotations
@@ -232,9 +232,8 @@ class _Job:
 
 def _with_fit(profile: CalibratedProfile, pool: str, fit: StepFit) -> CalibratedProfile:
     """``profile`` with ``pool``'s step-time model replaced by ``fit``."""
-    cal = replace(profile.pools[pool], coefficients=fit.coefficients, fit=fit.report,
-                  wake=fit.wake, shape_cache=fit.shape_cache)
-    return replace(profile, pools={**profile.pools, pool: cal})
+    return profile.with_pool(pool, coefficients=fit.coefficients, fit=fit.report,
+                             wake=fit.wake, shape_cache=fit.shape_cache)
 
 
 def _bracket(args: argparse.Namespace, config: VllmEngineConfig, pool: str,

@@ -40,7 +40,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -352,6 +352,15 @@ class CalibratedProfile:
         except KeyError:
             raise ValueError(f"profile {self.name!r} has no pool {pool!r}; it has "
                              f"{sorted(self.pools)}") from None
+
+    def with_pool(self, pool: str, **changes: Any) -> CalibratedProfile:
+        """This profile with fields of ``pool``'s calibration changed (another fit of the
+        same engine, for comparisons).
+
+        :param pool: a pool of the profile.
+        :param changes: :class:`PoolProfile` fields and their new values.
+        """
+        return replace(self, pools={**self.pools, pool: replace(self.pool(pool), **changes)})
 
     def step_time_model(self, pool: str) -> CalibratedStepTimeModel:
         """The fitted step-time model of ``pool``.

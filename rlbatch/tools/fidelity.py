@@ -354,7 +354,7 @@ def replay_live(engine: VllmEngine, workload: Workload, *, buckets: Buckets | No
     """Replay ``workload`` on the live ``engine``: ``warmup`` times unmeasured, then
     ``repeats`` times measured (parameters as :func:`run_fidelity_models`)."""
     if not engine.is_idle():
-        raise RuntimeError("run_fidelity needs an idle engine")
+        raise RuntimeError("replay_live needs an idle engine")
     if repeats not in (1, 2):
         raise ValueError(f"repeats must be 1 or 2, got {repeats}")
     if warmup < 0:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -192,7 +192,6 @@ def leveled(profile: CalibratedProfile, pool: str,
     check = step_time_check(profile, pool, iterations)
     if check is None or not check.time_ratio > 0:
         return None
-    cal = profile.pool(pool)
-    scaled = StepCoefficients.from_vector([v / check.time_ratio
-                                           for v in cal.coefficients.as_vector()])
-    return replace(profile, pools={**profile.pools, pool: replace(cal, coefficients=scaled)})
+    scaled = StepCoefficients.from_vector([v / check.time_ratio for v in
+                                           profile.pool(pool).coefficients.as_vector()])
+    return profile.with_pool(pool, coefficients=scaled)
