@@ -26,6 +26,14 @@ a request served from the FP8 pool counts 1.5% less, the reward's quality cost);
 the queues left at the horizon are projected forward at the rate each bucket was served
 (:func:`rollout_score`), so a cap that lets the backlog grow pays for it within a short horizon.
 
+Fairness (``fair``, on by default): a candidate with per-bucket trims stays in the running
+only if its rollouts miss, in every bucket, at most 2% of that bucket's decided requests (at
+least one request) more than the same total without trims, the static cap it refines
+(:func:`fair_keys`). Trims may shed load where it costs the trimmed bucket nothing; without
+this rule the best 60 s rollout on a deployment with KV room to spare (an H100 or H200 serving
+Llama-3.1-8B) often held the 1k-2k bucket to a quarter of the total and starved it for the
+whole run (6% SLA attainment against the best static's 78%; BENCHMARKS.md, issue 14, stop 22).
+
 Choice: among candidates within ``switch_margin`` + 1% of the replayed requests of the best
 score, the largest total (then the fewest trims); while requests already wait past the TTFT
 limit the total never shrinks. Both rules come from Azure 0.75, where a smaller total scored a
@@ -38,11 +46,11 @@ import copy
 import math
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from policies.mpc_score import rollout_score
+from policies.mpc_score import score_rollout
 from policies.rules import GuardedController
 from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, TotalShareCodec
 from rlbatch.control.guard import GuardConfig
@@ -99,6 +107,14 @@ class MpcConfig:
         reward's ``w_fp8``, the guide's <= 1.5%).
     :param guarded: behind the guard (default); ``False`` applies the chosen candidate as
         it is, like ``static:N`` (for comparisons with the unguarded statics).
+    :param fair: a candidate with per-bucket trims is kept only if, in its rollouts, no
+        bucket misses more requests than under the same total without trims (what a static
+        cap does) by more than ``fair_slack`` of that bucket's decided requests (at least
+        ``fair_min_requests``): trims may shed load only where they cost the trimmed bucket
+        nothing, so they cannot buy goodput by starving a bucket (the must-check compares
+        every bucket with the best static's).
+    :param fair_slack: see ``fair``.
+    :param fair_min_requests: see ``fair``.
     """
 
     horizon_s: float = 60.0
@@ -121,6 +137,9 @@ class MpcConfig:
     no_shrink_when_late: bool = True
     routing: bool = False
     fp8_cost: float = 0.015
+    fair: bool = True
+    fair_slack: float = 0.02
+    fair_min_requests: float = 1.0
 
     def __post_init__(self) -> None:
         if not (self.horizon_s > 0 and self.every_s > 0 and self.window_s > 0):
@@ -130,6 +149,9 @@ class MpcConfig:
                              f"{self.totals}")
         if not 0 < self.attainment_floor <= 1:
             raise ValueError(f"attainment_floor must be in (0, 1], got {self.attainment_floor}")
+        if not (self.fair_slack >= 0 and self.fair_min_requests >= 0):
+            raise ValueError(f"fair_slack and fair_min_requests must be >= 0, got "
+                             f"{self.fair_slack}, {self.fair_min_requests}")
 
 
 Key = tuple[int, tuple[int, ...], tuple[int, ...]]
@@ -156,6 +178,10 @@ class MpcController(GuardedController):
         self.last_proposal: ControlAction | None = None
         self.last_scores: dict[Key, float] = {}
         self.last_near: list[Key] = []
+        self.last_missed: dict[Key, list[float]] = {}
+        """Per candidate of the last decision, per bucket, the requests its rollouts missed
+        (and ``last_decided``: met + missed), summed over the arrival streams."""
+        self.last_decided: dict[Key, list[float]] = {}
         """The candidates the last decision counted as tied with the best (after the
         no-shrink rule): a student can be fitted to all of them (``--labels near``)."""
         self.decision_s: list[float] = []
@@ -261,6 +287,10 @@ class MpcController(GuardedController):
         weights = self.weights()
         last = self._last_stats
         scores: dict[Key, float] = {}
+        missed: dict[Key, list[float]] = {}
+        decided: dict[Key, list[float]] = {}
+        n = len(self.info.buckets)
+        top = len(SHARE_LADDER) - 1
 
         def score(key: Key) -> float:
             if key not in scores:
@@ -270,37 +300,55 @@ class MpcController(GuardedController):
                 guarded = (copy.deepcopy(self.guard).check(action, last)[0] if cfg.guarded
                            else action)
                 total = 0.0
+                lost = [0.0] * n
+                done = [0.0] * n
                 for arrivals in streams:
                     result = roll_out(self.twin.fork(now_s, arrivals), guarded, now_s,
                                       now_s + cfg.horizon_s)
-                    total += rollout_score(result, self.info.sla, weights, cfg.backlog,
-                                           cfg.weigh_misses, cfg.project_s, cfg.fp8_cost)
+                    out = score_rollout(result, self.info.sla, weights, cfg.backlog,
+                                        cfg.weigh_misses, cfg.project_s, cfg.fp8_cost)
+                    total += out.total
+                    for b in range(n):
+                        lost[b] += out.missed[b]
+                        done[b] += out.met[b] + out.missed[b]
                 scores[key] = total / len(streams)
+                missed[key] = lost
+                decided[key] = done
             return scores[key]
 
-        n = len(self.info.buckets)
-        top = len(SHARE_LADDER) - 1
+        def fair(candidates: dict[Key, float]) -> dict[Key, float]:
+            """The candidates, less the trims that cost a bucket more than the slack."""
+            if not cfg.fair:
+                return candidates
+            for key in list(candidates):
+                score(untrimmed(key, top))
+            keep = fair_keys(candidates, missed, decided, top, cfg.fair_slack,
+                             cfg.fair_min_requests)
+            return {k: v for k, v in candidates.items() if k in keep}
+
         inc_t, inc_s, inc_r = self.incumbent
         first = [(TOTAL_LADDER.index(t), (top,) * n, inc_r) for t in cfg.totals]
         first += [self.incumbent] + [(t, inc_s, inc_r) for t in (inc_t - 1, inc_t + 1)
                                      if 0 <= t < len(TOTAL_LADDER)]
         for key in first:
             score(key)
-        best = self._best(scores)
+        best = self._best(fair(scores))
         if cfg.trims:
             bt, bs, br = best
             second = [(bt, trim, br) for trim in trims(n, top)]
             second += [(t, bs, br) for t in (bt - 1, bt + 1) if 0 <= t < len(TOTAL_LADDER)]
             for key in second:
                 score(key)
-            best = self._best(scores)
+            best = self._best(fair(scores))
         if cfg.routing and len(self.info.pools) > 1:
             assert self.codec is not None
             bt, bs, _ = best
             for routes in (self._balanced, *splits(self.codec.routes, n)):
                 score((bt, bs, routes))
-            best = self._best(scores)
+            best = self._best(fair(scores))
         self.last_scores = scores
+        self.last_missed = missed
+        self.last_decided = decided
         return best
 
     def _arrival_streams(self, now_s: float) -> list[list[Request]]:
@@ -335,7 +383,11 @@ class MpcController(GuardedController):
         slack = cfg.switch_margin + cfg.tolerance * self._scale
         near = [k for k, v in scores.items() if v >= top - slack]
         if cfg.no_shrink_when_late and any(self._late):
-            near = [k for k in near if k[0] >= self.incumbent[0]] or [self.incumbent]
+            # the fallback holds the incumbent's total: the incumbent, or (when fairness
+            # ruled its trims out) the same total without them, which is always scored
+            held = [k for k in (self.incumbent, untrimmed(self.incumbent, len(SHARE_LADDER) - 1))
+                    if k in scores]
+            near = [k for k in near if k[0] >= self.incumbent[0]] or held[:1]
         self.last_near = near
         if self.incumbent in near and cfg.sticky:
             return self.incumbent
@@ -359,6 +411,39 @@ class MpcController(GuardedController):
         """A candidate's routes as text, e.g. ``fp16/fp16/fp8/fp8``."""
         assert self.codec is not None
         return "/".join(self.codec.routes[r] for r in key[2])
+
+
+def untrimmed(key: Key, top: int) -> Key:
+    """The same total and routes with every share at the top of the ladder (what a static
+    cap at that total does)."""
+    total, shares, routes = key
+    return (total, (top,) * len(shares), routes)
+
+
+def fair_keys(candidates: Collection[Key], missed: Mapping[Key, Sequence[float]],
+              decided: Mapping[Key, Sequence[float]], top: int, slack: float,
+              min_requests: float) -> set[Key]:
+    """The candidates that starve no bucket: every candidate without trims, and each one with
+    trims whose rollouts miss, in every bucket, at most ``max(min_requests, slack x decided)``
+    more requests than its :func:`untrimmed` reference (which must be in ``missed``).
+
+    :param candidates: candidate keys.
+    :param missed: per key, per bucket, requests missed in its rollouts.
+    :param decided: per key, per bucket, requests met + missed.
+    :param top: the share index that means no per-bucket cap.
+    :param slack: extra misses allowed, as a fraction of the reference's decided requests.
+    :param min_requests: extra misses always allowed.
+    """
+    keep: set[Key] = set()
+    for key in candidates:
+        ref = untrimmed(key, top)
+        if ref != key and any(
+                lost > ref_lost + max(min_requests, slack * ref_done)
+                for lost, ref_lost, ref_done in zip(missed[key], missed[ref], decided[ref],
+                                                    strict=True)):
+            continue
+        keep.add(key)
+    return keep
 
 
 def trims(num_buckets: int, top: int) -> list[tuple[int, ...]]:
@@ -406,10 +491,11 @@ _KEYS = {"horizon": "horizon_s", "every": "every_s", "window": "window_s",
          "floor": "attainment_floor", "memory": "memory_s", "margin": "switch_margin",
          "backlog": "backlog", "stress_memory": "stress_memory_s",
          "stress_rate": "stress_rate", "tolerance": "tolerance", "project": "project_s",
-         "fp8_cost": "fp8_cost"}
+         "fp8_cost": "fp8_cost", "fair_slack": "fair_slack",
+         "fair_min": "fair_min_requests"}
 
 _FLAGS = {"trims": "trims", "routing": "routing", "guard": "guarded", "stress": "stress",
-          "sticky": "sticky",
+          "sticky": "sticky", "fair": "fair",
           "weigh_misses": "weigh_misses", "no_shrink": "no_shrink_when_late"}
 
 
@@ -417,8 +503,8 @@ def mpc_factory(arg: str) -> MpcController:
     """``mpc`` or ``mpc:KEY=VALUE/...``, e.g. ``mpc:horizon=60/every=10/totals=8-64/guard=0``
     (``/`` separates options: commas separate controllers on the command line). Keys:
     horizon, every, window, floor, memory, margin, backlog, project, stress_memory,
-    stress_rate, tolerance, fp8_cost (numbers), trims, routing,
-    stress, guard, sticky,
+    stress_rate, tolerance, fp8_cost, fair_slack, fair_min (numbers), trims, routing,
+    stress, guard, sticky, fair,
     weigh_misses, no_shrink (0/1), totals (``-``-separated)."""
     changes: dict[str, Any] = {}
     for part in arg.replace(",", "/").split("/"):

@@ -7,13 +7,16 @@ from collections.abc import Sequence
 import pytest
 
 from policies.mpc import (
+    Key,
     MpcConfig,
     MpcController,
+    fair_keys,
     mpc_factory,
-    rollout_score,
     splits,
     trims,
+    untrimmed,
 )
+from policies.mpc_score import rollout_score, score_rollout
 from rlbatch.control.action_codec import TOTAL_LADDER
 from rlbatch.control.controllers import make_controller
 from rlbatch.control.types import ANY_POOL, SLA, ControlAction, DeploymentStats
@@ -126,6 +129,80 @@ def test_rollout_score_counts_doomed_and_backlog() -> None:
     assert rollout_score(starved, sla, [1.0, 1.0], project_s=5.0) == -1.0 - 0.5
 
 
+def test_score_rollout_counts_met_and_missed_per_bucket() -> None:
+    sla = SLA(ttft_s=2.0, tpot_s=0.1)
+    ok = FinishedRequest(request_id=0, bucket=0, pool="fp16", arrival_s=1.0, prompt_tokens=10,
+                         output_tokens=5, ttft_s=0.1, tpot_s=0.01, e2e_s=0.2, finish_s=1.2)
+    late = FinishedRequest(request_id=1, bucket=1, pool="fp16", arrival_s=1.0,
+                           prompt_tokens=10, output_tokens=5, ttft_s=3.0, tpot_s=0.01,
+                           e2e_s=3.1, finish_s=4.1)
+    result = Rollout(start_s=0.0, end_s=10.0, finished=[ok, late],
+                     pending=[(0, 5.0, -1.0, 0, 10),    # doomed
+                              (0, 9.0, -1.0, 0, 10)],   # still open
+                     queued=[(1, 9.9), (1, 1.0)])       # one open, one doomed
+    out = score_rollout(result, sla, [1.0, 2.0])
+    assert out.met == (1.0, 0.0)
+    assert out.missed == (1.0, 2.0)
+    assert out.total == rollout_score(result, sla, [1.0, 2.0]) == 1.0 - 1.0 - 2.0 - 2.0
+    # the projected arrivals that the leftover queue holds up count as a fraction
+    starved = Rollout(start_s=0.0, end_s=10.0, finished=[], pending=[], queued=[(0, 9.9)])
+    assert score_rollout(starved, sla, [1.0], project_s=5.0).missed == (1.0 + 0.5,)
+
+
+def test_fair_keys_drop_only_trims_that_cost_a_bucket_more_than_the_slack() -> None:
+    plain: Key = (5, (3, 3), (0, 0))
+    harmless: Key = (5, (3, 1), (0, 0))   # sheds bucket 1 load, bucket 1 loses 1 more
+    starving: Key = (5, (1, 3), (0, 0))   # bucket 0 loses 3 more of its 100
+    other: Key = (4, (3, 0), (0, 0))      # its reference (4, (3, 3)) loses as many
+    missed = {plain: [10.0, 5.0], harmless: [4.0, 6.0], starving: [13.0, 0.0],
+              other: [2.0, 9.0], untrimmed(other, 3): [2.0, 9.0]}
+    decided = {plain: [100.0, 50.0], untrimmed(other, 3): [100.0, 50.0]}
+    decided |= {k: [0.0, 0.0] for k in (harmless, starving, other)}  # unread
+    keys = [plain, harmless, starving, other]
+    assert fair_keys(keys, missed, decided, 3, 0.02, 1.0) == {plain, harmless, other}
+    # the slack scales with the reference's decided requests
+    assert fair_keys(keys, missed, decided, 3, 0.03, 1.0) == set(keys)
+    assert fair_keys(keys, missed, decided, 3, 0.0, 0.0) == {plain, other}
+    assert untrimmed(starving, 3) == plain
+
+
+def test_fair_mpc_never_chooses_a_starving_trim_that_it_would_otherwise() -> None:
+    # Llama-3.1-8B on an H100 has KV room to spare, so in this overload trimming a bucket
+    # is what frees the batch: unfiltered, the best rollout often starves the trimmed one
+    rows = [(i / 20.0, [300, 1500, 3000, 3900][(7 * i) % 4] if i % 3 else 1500,
+             100 + (31 * i) % 300) for i in range(600)]
+    c = mpc_factory("horizon=20/every=5/window=10/fair=1")
+    decide = c._decide
+    unfair_best = 0
+    chosen: list[Key] = []
+
+    def spy(now_s: float) -> Key:
+        nonlocal unfair_best
+        key = decide(now_s)
+        keep = fair_keys(c.last_scores, c.last_missed, c.last_decided, 3, 0.02, 1.0)
+        unfair_best += c._best(dict(c.last_scores)) not in keep
+        assert key in keep
+        chosen.append(key)
+        return key
+
+    c._decide = spy  # type: ignore[method-assign]
+    spec = DeploymentSpec(gpu="h100-80g", model="llama-3.1-8b",
+                          admission=AdmissionConfig(over_length="truncate"))
+    run(_workload(rows), c, spec, drain_s=30.0)
+    assert len(chosen) == 12 and unfair_best >= 3
+
+
+def test_no_shrink_holds_the_total_when_fairness_rules_the_incumbent_out() -> None:
+    c = MpcController()
+    c.on_reset(_deployment().info)
+    trimmed: Key = (7, (3, 1, 0), (0, 0, 0))
+    c.incumbent, c._late, c._scale = trimmed, [0, 3, 0], 100
+    # the fair candidates (the incumbent is not one of them): only smaller totals are near
+    scores = {(5, (3, 3, 3), (0, 0, 0)): 50.0, (7, (3, 3, 3), (0, 0, 0)): 10.0}
+    assert c._best(scores) == (7, (3, 3, 3), (0, 0, 0))
+    assert c._best({**scores, trimmed: 9.0}) == trimmed
+
+
 def test_candidates_cover_small_totals_and_are_codec_actions() -> None:
     c = MpcController(MpcConfig(horizon_s=4.0, every_s=2.0, window_s=2.0))
     d = _deployment()
@@ -233,6 +310,12 @@ def test_mpc_in_an_evaluation_through_make_controller() -> None:
     assert isinstance(make_controller("mpc"), MpcController)
     with pytest.raises(ValueError, match="mpc options"):
         make_controller("mpc:bogus=1")
+    fair = make_controller("mpc:fair=0/fair_slack=0.05/fair_min=2")
+    assert isinstance(fair, MpcController)
+    assert (fair.config.fair, fair.config.fair_slack, fair.config.fair_min_requests) == (
+        False, 0.05, 2.0)
+    with pytest.raises(ValueError, match="fair_slack"):
+        MpcConfig(fair_slack=-0.1)
     spec = DeploymentSpec(admission=AdmissionConfig(over_length="truncate"))
     job = EvalJob("mpc:horizon=10/every=5", "poisson:rate=2,duration=30", 1.0, spec, None,
                   None, 0, 60.0)
