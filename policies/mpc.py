@@ -178,12 +178,12 @@ class MpcController(GuardedController):
         self.last_proposal: ControlAction | None = None
         self.last_scores: dict[Key, float] = {}
         self.last_near: list[Key] = []
+        """The candidates the last decision counted as tied with the best (after the
+        no-shrink rule): a student can be fitted to all of them (``--labels near``)."""
         self.last_missed: dict[Key, list[float]] = {}
         """Per candidate of the last decision, per bucket, the requests its rollouts missed
         (and ``last_decided``: met + missed), summed over the arrival streams."""
         self.last_decided: dict[Key, list[float]] = {}
-        """The candidates the last decision counted as tied with the best (after the
-        no-shrink rule): a student can be fitted to all of them (``--labels near``)."""
         self.decision_s: list[float] = []
         self.choices: Counter[int] = Counter()
         self.route_choices: Counter[str] = Counter()
