@@ -217,6 +217,8 @@ class MpcController(GuardedController):
         self.last_proposal = None
         self.last_scores = {}
         self.last_near = []
+        self.last_missed = {}
+        self.last_decided = {}
         self.decision_s = []
         self.choices = Counter()
         self.route_choices = Counter()
