@@ -28,8 +28,10 @@ the queues left at the horizon are projected forward at the rate each bucket was
 
 Fairness (``fair``, on by default): a candidate with per-bucket trims stays in the running
 only if its rollouts miss, in every bucket, at most 2% of that bucket's decided requests (at
-least one request) more than the same total without trims, the static cap it refines
-(:func:`fair_keys`). Trims may shed load where it costs the trimmed bucket nothing; without
+least one request) more than the same total and routes without trims (:func:`fair_keys`);
+those untrimmed references are rolled out for every candidate, so they join the candidates
+(at most five more rollouts a decision). Trims may shed load where it costs the trimmed
+bucket nothing; without
 this rule the best 60 s rollout on a deployment with KV room to spare (an H100 or H200 serving
 Llama-3.1-8B) often held the 1k-2k bucket to a quarter of the total and starved it for the
 whole run (6% SLA attainment against the best static's 78%; BENCHMARKS.md, issue 14, stop 22).
@@ -319,7 +321,8 @@ class MpcController(GuardedController):
             return scores[key]
 
         def fair(candidates: dict[Key, float]) -> dict[Key, float]:
-            """The candidates, less the trims that cost a bucket more than the slack."""
+            """The candidates with their untrimmed references (scored here, so they join
+            the candidates), less the trims that cost a bucket more than the slack."""
             if not cfg.fair:
                 return candidates
             for key in list(candidates):
@@ -378,8 +381,10 @@ class MpcController(GuardedController):
 
     def _best(self, scores: dict[Key, float]) -> Key:
         """Among the candidates within ``switch_margin`` + ``tolerance`` x (requests in the
-        replay) of the best score: the incumbent if it is one, else the largest total, then
-        the fewest trims (a too-small cap is the costly mistake when the load rises)."""
+        replay) of the best score (while requests wait past the TTFT limit, only those that
+        keep the incumbent's total, else the incumbent or its untrimmed version): with
+        ``sticky`` the incumbent if it is one, else the largest total, then the fewest trims
+        (a too-small cap is the costly mistake when the load rises)."""
         cfg = self.config
         top = max(scores.values())
         slack = cfg.switch_margin + cfg.tolerance * self._scale
