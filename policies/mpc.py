@@ -28,10 +28,10 @@ the queues left at the horizon are projected forward at the rate each bucket was
 
 Fairness (``fair``, on by default): a candidate with per-bucket trims stays in the running
 only if its rollouts miss, in every bucket, at most 2% of that bucket's decided requests (at
-least one request) more than the same total and routes without trims (:func:`fair_keys`);
-those untrimmed references are rolled out for every candidate, so they join the candidates
-(up to five more rollouts a decision without route splits). Trims may shed load where it
-costs the trimmed bucket nothing. Without this rule, on a deployment with KV room to spare
+least one request) more than the same total and routes without trims
+(:func:`~policies.mpc_candidates.fair_keys`); those untrimmed references are rolled out for
+every candidate, so they join the candidates (up to five more rollouts a decision without
+route splits). Trims may shed load where it costs the trimmed bucket nothing. Without this rule, on a deployment with KV room to spare
 (an H100 or H200 serving Llama-3.1-8B), the best 60 s rollout was often a trim of the 1k-2k
 bucket, which starved it over the run (6% SLA attainment against the best static's 78%;
 BENCHMARKS.md, issue 14, stop 22).
@@ -48,16 +48,16 @@ import copy
 import math
 import time
 from collections import Counter
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from policies.mpc_candidates import Key, fair_keys, splits, trims, untrimmed
 from policies.mpc_score import score_rollout
 from policies.rules import GuardedController
 from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, TotalShareCodec
 from rlbatch.control.guard import GuardConfig
 from rlbatch.control.types import (
-    ANY_POOL,
     ControlAction,
     DeploymentInfo,
     DeploymentStats,
@@ -154,11 +154,6 @@ class MpcConfig:
         if not (self.fair_slack >= 0 and self.fair_min_requests >= 0):
             raise ValueError(f"fair_slack and fair_min_requests must be >= 0, got "
                              f"{self.fair_slack}, {self.fair_min_requests}")
-
-
-Key = tuple[int, tuple[int, ...], tuple[int, ...]]
-"""A candidate as (total index, per-bucket share indices, per-bucket route indices) on the
-codec's ladders and routes."""
 
 
 class MpcController(GuardedController):
@@ -418,69 +413,6 @@ class MpcController(GuardedController):
         """A candidate's routes as text, e.g. ``fp16/fp16/fp8/fp8``."""
         assert self.codec is not None
         return "/".join(self.codec.routes[r] for r in key[2])
-
-
-def untrimmed(key: Key, top: int) -> Key:
-    """The same total and routes with every share at the top of the ladder (what a static
-    cap at that total does)."""
-    total, shares, routes = key
-    return (total, (top,) * len(shares), routes)
-
-
-def fair_keys(candidates: Collection[Key], missed: Mapping[Key, Sequence[float]],
-              decided: Mapping[Key, Sequence[float]], top: int, slack: float,
-              min_requests: float) -> set[Key]:
-    """The candidates that starve no bucket: every candidate without trims, and each one with
-    trims whose rollouts miss, in every bucket, at most ``max(min_requests, slack x decided)``
-    more requests than its :func:`untrimmed` reference (which must be in ``missed``).
-
-    :param candidates: candidate keys.
-    :param missed: per key, per bucket, requests missed in its rollouts.
-    :param decided: per key, per bucket, requests met + missed.
-    :param top: the share index that means no per-bucket cap.
-    :param slack: extra misses allowed, as a fraction of the reference's decided requests.
-    :param min_requests: extra misses always allowed.
-    """
-    keep: set[Key] = set()
-    for key in candidates:
-        ref = untrimmed(key, top)
-        if ref != key and any(
-                lost > ref_lost + max(min_requests, slack * ref_done)
-                for lost, ref_lost, ref_done in zip(missed[key], missed[ref], decided[ref],
-                                                    strict=True)):
-            continue
-        keep.add(key)
-    return keep
-
-
-def trims(num_buckets: int, top: int) -> list[tuple[int, ...]]:
-    """Share-index vectors that hold longer-prompt buckets to smaller shares of the total:
-    mild (each bucket after the second one share step below the previous), strong (from the
-    second bucket on), and long-only (the last bucket at the smallest share)."""
-    mild = tuple(max(0, top - max(0, b - 1)) for b in range(num_buckets))
-    strong = tuple(max(0, top - b) for b in range(num_buckets))
-    last = tuple(top if b < num_buckets - 1 else 0 for b in range(num_buckets))
-    out: list[tuple[int, ...]] = []
-    for t in (mild, strong, last):
-        if t not in out and any(s != top for s in t):
-            out.append(t)
-    return out
-
-
-def splits(routes: Sequence[str], num_buckets: int) -> list[tuple[int, ...]]:
-    """Route-index vectors that serve short and long prompts on different pools: for every
-    boundary, the buckets below it on one pool and the rest on the other (both ways round),
-    so long prefills stop inflating the short requests' TPOT. ``routes`` are the codec's
-    (pools, then ``any``)."""
-    pools = [i for i, r in enumerate(routes) if r != ANY_POOL]
-    out: list[tuple[int, ...]] = []
-    for a in pools:
-        for b in pools:
-            if a == b:
-                continue
-            for k in range(1, num_buckets):
-                out.append(tuple(a if i < k else b for i in range(num_buckets)))
-    return out
 
 
 def busiest(arrivals: Sequence[Request], window_s: float) -> Sequence[Request]:

@@ -6,16 +6,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from policies.mpc import (
-    Key,
-    MpcConfig,
-    MpcController,
-    fair_keys,
-    mpc_factory,
-    splits,
-    trims,
-    untrimmed,
-)
+from policies.mpc import MpcConfig, MpcController, mpc_factory
+from policies.mpc_candidates import Key, fair_keys, splits, trims, untrimmed
 from policies.mpc_score import rollout_score, score_rollout
 from rlbatch.control.action_codec import TOTAL_LADDER
 from rlbatch.control.controllers import make_controller
@@ -198,7 +190,8 @@ def test_no_shrink_holds_the_total_when_fairness_rules_the_incumbent_out() -> No
     trimmed: Key = (7, (3, 1, 0), (0, 0, 0))
     c.incumbent, c._late, c._scale = trimmed, [0, 3, 0], 100
     # the fair candidates (the incumbent is not one of them): only smaller totals are near
-    scores = {(5, (3, 3, 3), (0, 0, 0)): 50.0, (7, (3, 3, 3), (0, 0, 0)): 10.0}
+    scores: dict[Key, float] = {(5, (3, 3, 3), (0, 0, 0)): 50.0,
+                               (7, (3, 3, 3), (0, 0, 0)): 10.0}
     assert c._best(scores) == (7, (3, 3, 3), (0, 0, 0))
     assert c._best({**scores, trimmed: 9.0}) == trimmed
 
