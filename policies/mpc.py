@@ -31,10 +31,10 @@ only if its rollouts miss, in every bucket, at most 2% of that bucket's decided 
 least one request) more than the same total and routes without trims
 (:func:`~policies.mpc_candidates.fair_keys`); those untrimmed references are rolled out for
 every candidate, so they join the candidates (up to five more rollouts a decision without
-route splits). Trims may shed load where it costs the trimmed bucket nothing. Without this rule, on a deployment with KV room to spare
-(an H100 or H200 serving Llama-3.1-8B), the best 60 s rollout was often a trim of the 1k-2k
-bucket, which starved it over the run (6% SLA attainment against the best static's 78%;
-BENCHMARKS.md, issue 14, stop 22).
+route splits). Trims may shed load where it costs the trimmed bucket nothing. Without this
+rule, on a deployment with KV room to spare (an H100 or H200 serving Llama-3.1-8B), the best
+60 s rollout was often a trim of the 1k-2k bucket, which starved it over the run (6% SLA
+attainment against the best static's 78%; BENCHMARKS.md, issue 14, stop 22).
 
 Choice: among candidates within ``switch_margin`` + 1% of the replayed requests of the best
 score, the largest total (then the fewest trims); while requests already wait past the TTFT
