@@ -54,7 +54,8 @@ start = time.perf_counter()
 res = run(workload, make_controller(controller), spec, rate_scale=float(rate))
 wall = time.perf_counter() - start
 records = sorted(r.comparable() for r in res.records)
-row = {k: v for k, v in res.row.items() if k not in ("wall_seconds", "speedup_x")}
+row = {k: v for k, v in res.row.items()  # wall-clock figures differ from run to run
+       if k not in ("wall_seconds", "speedup_x") and not k.startswith("mpc_decision_ms")}
 print(json.dumps({"wall": wall, "sim": res.row["sim_seconds"], "row": row,
                   "records": hashlib.sha256(repr(records).encode()).hexdigest()},
                  default=str))
@@ -84,7 +85,8 @@ print(json.dumps({"median": float(np.median(us)), "p99": float(np.percentile(us,
 
 def _python(tree: Path, args: list[str]) -> tuple[float, str]:
     """Run ``python ARGS`` with ``tree`` first on the path; (wall seconds, stdout)."""
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    # the baseline is unpacked outside the checkout, where ../shared/data does not lie
+    env = {"RLBATCH_TRACES_DIR": str(AZURE.parent), **os.environ, "PYTHONPATH": str(tree)}
     start = time.perf_counter()
     done = subprocess.run([sys.executable, *args], cwd=tree, env=env, capture_output=True,
                           text=True, check=False)

@@ -12,6 +12,7 @@ import pytest
 
 from rlbatch.buckets import Buckets
 from rlbatch.control.types import ANY_POOL, ControlAction
+from rlbatch.engine.base import kv_budget_exceeded
 from rlbatch.engine.config import EngineConfig
 from rlbatch.engine.host_tier import HostLink
 from rlbatch.engine.reserve import KV_COMMIT_MODES, KV_RESERVE_MODES, KvCommitMode
@@ -146,3 +147,28 @@ def test_peak_commit_skipping_equals_stepping(seed: int, engines: int | None,
                                               commit: KvCommitMode | Literal["mixed"]) -> None:
     case = _case(seed, engines, commit)
     assert _drive(case, True) == _drive(case, False)
+
+
+
+def test_peak_figure_over_the_budget_reused_between_pure_decode_iterations_is_right(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``SimEngine.kv_budget_exceeded`` reuses its last peak figure over the budget while only
+    pure-decode iterations ran and counts grew (``_kv_version``): at every call, on one and
+    several engines, its answer must equal the one from a fresh projection, and the reuse
+    must happen (else this checks nothing)."""
+    original = SimEngine.kv_budget_exceeded
+    reused = 0
+
+    def checked(self: SimEngine, need: int, commit: KvCommitMode, limit: float) -> bool:
+        nonlocal reused
+        fresh = kv_budget_exceeded(self, need, commit, limit)
+        reused += (commit == "peak" and (self._kv_version, need) == self._over_key
+                   and self._over_value > limit)
+        answer = original(self, need, commit, limit)
+        assert answer == fresh
+        return answer
+
+    monkeypatch.setattr(SimEngine, "kv_budget_exceeded", checked)
+    for seed, engines in [(333, 1), (383, 1), *((s, None) for s in range(8))]:
+        _drive(_case(seed, engines, "peak"), True)
+    assert reused > 0

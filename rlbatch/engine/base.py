@@ -63,6 +63,12 @@ class Engine(Protocol):
         :mod:`rlbatch.engine.reserve`)."""
         ...
 
+    def kv_budget_exceeded(self, need: int, commit: KvCommitMode, limit: float) -> bool:
+        """Whether a request counted at ``need`` entering now would take the engine over a KV
+        budget of ``limit`` tokens: :meth:`committed_with` above it, the engine holding
+        something (an empty engine takes any request; :func:`kv_budget_exceeded`)."""
+        ...
+
     @property
     def kv_block_size(self) -> int:
         """Tokens per KV block (the unit a request's KV grows by)."""
@@ -94,3 +100,12 @@ class Engine(Protocol):
     def snapshot(self) -> EngineStats:
         """Stats since the previous snapshot; resets the interval counters."""
         ...
+
+
+def kv_budget_exceeded(engine: Engine, need: int, commit: KvCommitMode, limit: float) -> bool:
+    """:meth:`Engine.kv_budget_exceeded` from :meth:`Engine.committed_tokens` and
+    :meth:`Engine.committed_with`; the latter is read only when the sum does not fit (it is
+    at most the sum, and ``peak`` projects, which costs a sort)."""
+    committed = engine.committed_tokens()
+    return (committed > 0 and committed + need > limit
+            and engine.committed_with(need, commit) > limit)

@@ -13,8 +13,11 @@ the lane needs then costs O(1), not O(requests):
   mod block`` and reads the count at ``-epoch mod block``;
 * the requests that finish, and those whose KV reserve starts to grow
   (``rlbatch.engine.reserve``): two heaps keyed by the counter value at which that happens,
-  then by running order; a request that outgrew its reserve stays in a list, and the engine
-  brings the counts of that list up to date when it reads its committed KV.
+  then by running order; a request that outgrew its reserve is counted at ``prompt + 2 x
+  num_output`` rounded up to whole blocks, which moves only when ``prompt + 2 x out_base +
+  2 x epoch`` passes a block boundary. So such requests are kept in one list per ``(prompt
+  + 2 x out_base) mod block``, and the engine, when it reads its committed KV, brings up to
+  date only the lists whose counts moved since it last did (:meth:`DecodeLane.moved`).
 
 Only the requests that need something (a finish, a growth) are touched, and only then are
 their fields written back (:meth:`DecodeLane.sync`). The engine decides when a request joins
@@ -40,7 +43,7 @@ class DecodeLane:
     """
 
     __slots__ = ("block_size", "epoch", "finish_heap", "grow_heap", "growing", "kv_base",
-                 "max_order", "n", "residues")
+                 "max_order", "n", "residues", "synced_epoch")
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -55,9 +58,13 @@ class DecodeLane:
         self.finish_heap: list[tuple[int, int, SimSeq]] = []
         self.grow_heap: list[tuple[int, int, SimSeq]] = []
         """First growths to come: ``(counter value, order, request)``."""
-        self.growing: list[SimSeq] = []
+        self.growing: list[list[SimSeq]] = [[] for _ in range(block_size)]
         """Requests that outgrew their reserve (their count follows their output until it
-        reaches their limit); may hold requests that left the lane since."""
+        reaches their limit), by ``(prompt + 2 x out_base) mod block_size``; may hold
+        requests that left the lane since."""
+        self.synced_epoch = 0
+        """The counter when the engine last brought the growing requests' counts up to
+        date."""
         self.max_order = -1
         """Highest running-order key that joined since the lane was last empty."""
 
@@ -75,6 +82,23 @@ class DecodeLane:
             heapq.heappush(self.grow_heap, (seq.grow_at - base, seq.order, seq))
         if seq.order > self.max_order:
             self.max_order = seq.order
+
+    def grow(self, seq: SimSeq) -> None:
+        """A lane request whose count follows its output from now on."""
+        self.growing[(seq.prompt_len + 2 * seq.out_base) % self.block_size].append(seq)
+
+    def moved(self, since: int) -> range | list[int]:
+        """The growing lists (residues) whose counts may have moved from counter ``since`` to
+        now: ``ceil(y / block)`` with ``y = prompt + 2 x num_output`` rises from one
+        counter value to the next exactly when ``y mod block`` becomes 1 or 2."""
+        block = self.block_size
+        if self.epoch - since >= -(-block // 2):
+            return range(block)
+        out: set[int] = set()
+        for epoch in range(since + 1, self.epoch + 1):
+            out.add((1 - 2 * epoch) % block)
+            out.add((2 - 2 * epoch) % block)
+        return sorted(out)
 
     def sync(self, seq: SimSeq) -> None:
         """Write a lane request's current progress into its fields."""
@@ -135,5 +159,5 @@ class DecodeLane:
         self.residues = [0] * self.block_size
         self.finish_heap = []
         self.grow_heap = []
-        self.growing = []
+        self.growing = [[] for _ in range(self.block_size)]
         self.max_order = -1

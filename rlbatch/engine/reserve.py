@@ -69,6 +69,11 @@ def check_kv_commit(mode: str) -> None:
         raise ValueError(f"kv_commit must be one of {KV_COMMIT_MODES}, got {mode!r}")
 
 
+PEAK_KEY_SHIFT = 40
+""":func:`peak_of_keys` packs a decoding request as ``rem << 40 | current`` (current KV
+below 2**40 tokens): sorting those ints sorts the ``(rem, current)`` pairs, faster."""
+
+
 def peak_commitment(held: int, decoding: list[tuple[int, int]], block_size: int) -> int:
     """What ``kv_commit="peak"`` compares with the budget (the module docstring): the peak of
     the projected KV, or the sum of the counts when that is smaller. ``held`` tokens
@@ -83,18 +88,33 @@ def peak_commitment(held: int, decoding: list[tuple[int, int]], block_size: int)
     :returns: the largest total at any iteration from now on, at most ``held`` plus the
         decoding requests' counts, tokens.
     """
+    keys = [((count - cur if count > cur else 0) << PEAK_KEY_SHIFT) | cur
+            for cur, count in decoding]
+    return peak_of_keys(held, keys, sum(count for _, count in decoding), block_size)
+
+
+def peak_of_keys(held: int, keys: list[int], counts: int, block_size: int) -> int:
+    """:func:`peak_commitment` of decoding requests packed as ``rem << PEAK_KEY_SHIFT |
+    current`` (``rem``: tokens to grow to the count, 0 at or past it); ``keys`` is sorted
+    in place.
+
+    :param held: as :func:`peak_commitment`.
+    :param keys: one per decoding request.
+    :param counts: the decoding requests' counts summed.
+    :param block_size: tokens per KV block.
+    """
     # The total rises between finishes, so its peak is just before one: k iterations on, the
     # requests alive are those with at least k tokens to grow (taken longest first).
-    growth = sorted(((count - cur if count > cur else 0, cur) for cur, count in decoding),
-                    reverse=True)
+    keys.sort(reverse=True)
+    mask = (1 << PEAK_KEY_SHIFT) - 1
     peak = total = 0
     slack = block_size - 1
-    for alive, (rem, cur) in enumerate(growth, start=1):
-        total += cur
-        value = total + alive * rem + (alive - 1) * slack
+    for alive, key in enumerate(keys, start=1):
+        total += key & mask
+        value = total + alive * (key >> PEAK_KEY_SHIFT) + (alive - 1) * slack
         if value > peak:
             peak = value
-    return held + min(peak, sum(count for _, count in decoding))
+    return held + (peak if peak < counts else counts)
 
 
 def check_kv_reserve(mode: str, quantile: float,

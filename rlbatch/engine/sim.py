@@ -42,7 +42,7 @@ from rlbatch.engine.config import EngineConfig
 from rlbatch.engine.decode_lane import DecodeLane
 from rlbatch.engine.fork import fork_state
 from rlbatch.engine.host_tier import HostLink
-from rlbatch.engine.reserve import KvCommitMode, peak_commitment
+from rlbatch.engine.reserve import PEAK_KEY_SHIFT, KvCommitMode, peak_of_keys
 from rlbatch.engine.sim_scheduler import SimScheduler
 from rlbatch.engine.sim_seq import SimSeq
 from rlbatch.engine.stats import EngineStats
@@ -96,6 +96,9 @@ class SimEngine(SimScheduler):
         self.max_model_len = max_model_len
         self.gpu_memory_total_bytes = gpu_memory_total_bytes
         self.num_buckets = num_buckets
+        # kv_budget_exceeded's last peak figure and the (version, need) it was taken at
+        self._over_key = (-1, -1)
+        self._over_value = 0
         self._reset_interval()
 
     # ----------------------------------------------------------------- Engine protocol
@@ -147,8 +150,8 @@ class SimEngine(SimScheduler):
         if commit == "final":
             return committed + need
         epoch = self._lane.epoch
-        held = need
-        decoding: list[tuple[int, int]] = []
+        keys: list[int] = []  # the decoding requests, packed for peak_of_keys
+        counts = 0
         for seq in self._running:
             if seq.in_lane:
                 tokens = seq.prompt_len + seq.out_base + epoch
@@ -157,14 +160,28 @@ class SimEngine(SimScheduler):
                 # too, which an iteration the engine counts as pure decode computes)
                 tokens = seq.prompt_len + seq.num_output
             else:
-                held += seq.committed  # in prefill (or recomputing after a preemption)
-                continue
-            decoding.append((tokens, seq.committed))
-        for seq in self._waiting:
-            held += seq.committed
-        for seq in self._loading:
-            held += seq.committed
-        return peak_commitment(held, decoding, self.kv_block_size)
+                continue  # in prefill (or recomputing after a preemption): held
+            count = seq.committed
+            counts += count
+            keys.append(((count - tokens if count > tokens else 0) << PEAK_KEY_SHIFT) | tokens)
+        # the rest (waiting, loading, in prefill, the one admitted) is held throughout
+        return peak_of_keys(need + committed - counts, keys, counts, self.kv_block_size)
+
+    def kv_budget_exceeded(self, need: int, commit: KvCommitMode, limit: float) -> bool:
+        # While the budget holds a request back the deployment asks at every boundary. The
+        # peak figure never falls while only pure-decode iterations run and counts grow
+        # (self._kv_version; rlbatch.engine.reserve), so a figure over the limit stays over.
+        key = (self._kv_version, need)
+        if commit == "peak" and key == self._over_key and self._over_value > limit:
+            return True
+        committed = self.committed_tokens()
+        if committed == 0 or committed + need <= limit:
+            return False
+        value = self.committed_with(need, commit)
+        if commit == "peak":
+            self._over_key = key
+            self._over_value = value
+        return value > limit
 
     @property
     def kv_block_size(self) -> int:
@@ -200,6 +217,7 @@ class SimEngine(SimScheduler):
         self._waiting.append(seq)
         self._unfinished[bucket] += 1
         self._committed_tokens += seq.committed
+        self._kv_version += 1
 
     def fork(self) -> SimEngine:
         """An independent copy of the engine's state (a digital twin's fork): the step-time

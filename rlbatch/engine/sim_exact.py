@@ -89,6 +89,11 @@ class ExactScheduler(CacheScheduler):
         self._unfinished = [0] * num_buckets
         self._in_running = [0] * num_buckets  # per bucket, requests in the running list
         self._committed_tokens = 0
+        # Bumped by everything that can lower the KV budget's peak projection (an admission,
+        # a finish, an iteration that is not pure decode): between two bumps only pure-decode
+        # iterations ran and counts grew, which never lower it (rlbatch.engine.reserve), so
+        # SimEngine.kv_budget_exceeded may reuse a figure over the budget.
+        self._kv_version = 0
         self._reserve = OutputReserve(config.kv_reserve, num_buckets, config.block_size,
                                       max_model_len, quantile=config.kv_reserve_quantile)
         self._decode_coeffs: dict[int, tuple[float, float]] = {}
@@ -139,6 +144,7 @@ class ExactScheduler(CacheScheduler):
         """One iteration, request by request (vLLM V1's ``schedule()`` order); with nothing
         to run but copies from the host tier, a wait for the first one (at most to
         ``bound_s``)."""
+        self._kv_version += 1
         running = self._running
         waiting = self._waiting
         block = self._block_size
@@ -362,6 +368,7 @@ class ExactScheduler(CacheScheduler):
     def _finish(self, seq: SimSeq, now: float) -> None:
         if self._overheads is not None:
             self._carry_s += self._overheads.per_finished_s
+        self._kv_version += 1
         self._running.remove(seq)
         self._in_running[seq.bucket] -= 1
         self._reserve.observe(seq.bucket, seq.num_output)

@@ -112,13 +112,16 @@ class SimScheduler(ExactScheduler):
     def _leave_lane(self) -> None:
         """Every running request back to its own fields (the lane's reserve growths
         applied first), for an iteration request by request or a fork."""
+        self._kv_version += 1
         lane = self._lane
         if lane.n:
             self._sync_growth()
             next_growth_at = self._reserve.next_growth_at
-            for seq in lane.growing:
-                if seq.in_lane:
-                    seq.grow_at = next_growth_at(seq.committed, seq.kv_limit, seq.prompt_len)
+            for group in lane.growing:
+                for seq in group:
+                    if seq.in_lane:
+                        seq.grow_at = next_growth_at(seq.committed, seq.kv_limit,
+                                                     seq.prompt_len)
             lane.clear(self._running)
         self._explicit = list(self._running)
 
@@ -176,6 +179,7 @@ class SimScheduler(ExactScheduler):
 
         self._free_blocks = free
         if prefill_tokens == 0 and not sched and not in_lane:
+            self._kv_version += 1
             self._decode_run = False
             if self._loading:
                 self._wait_for_loads(bound_s)
@@ -205,6 +209,8 @@ class SimScheduler(ExactScheduler):
                               and s.num_output < s.max_output] if kept else []
         self._decode_run = all_scheduled and len(running) == before
         self._prefilled = prefill_tokens > 0
+        if not self._decode_run or self._prefilled:
+            self._kv_version += 1
         used = self.num_kv_blocks - self._free_blocks
         if used > self._peak_used_blocks:
             self._peak_used_blocks = used
@@ -299,34 +305,46 @@ class SimScheduler(ExactScheduler):
 
     def _sync_growth(self) -> None:
         """Bring the lane's counted KV up to date (before the committed KV is read): the
-        requests that reached their first growth join the growing list, and every request
-        on it is counted at its output now (the growth is a pure function of it)."""
+        requests that reached their first growth join the growing lists, and the requests
+        on the lists whose counts moved since the last time (:meth:`DecodeLane.moved`) are
+        counted at their output now (the growth is a pure function of it)."""
         lane = self._lane
         heap = lane.grow_heap
         epoch = lane.epoch
+        grown = self._reserve.grown
+        total = self._committed_tokens
         growing = lane.growing
+        if epoch != lane.synced_epoch:
+            for residue in lane.moved(lane.synced_epoch):
+                group = growing[residue]
+                if not group:
+                    continue
+                keep = []
+                for seq in group:
+                    if not seq.in_lane:
+                        continue  # finished since
+                    committed = grown(seq.committed, seq.kv_limit, seq.prompt_len,
+                                      seq.out_base + epoch)
+                    total += committed - seq.committed
+                    seq.committed = committed
+                    if committed < seq.kv_limit:
+                        keep.append(seq)
+                    else:
+                        seq.grow_at = NEVER
+                growing[residue] = keep
+            lane.synced_epoch = epoch
         while heap and heap[0][0] <= epoch:
             seq = heapq.heappop(heap)[2]
             if seq.in_lane:
-                growing.append(seq)
-        if not growing:
-            return
-        grown = self._reserve.grown
-        total = self._committed_tokens
-        keep = []
-        for seq in growing:
-            if not seq.in_lane:
-                continue  # finished since
-            committed = grown(seq.committed, seq.kv_limit, seq.prompt_len, seq.out_base + epoch)
-            total += committed - seq.committed
-            seq.committed = committed
-            if committed < seq.kv_limit:
-                keep.append(seq)
-            else:
-                seq.grow_at = NEVER
-        lane.growing = keep
+                committed = grown(seq.committed, seq.kv_limit, seq.prompt_len,
+                                  seq.out_base + epoch)
+                total += committed - seq.committed
+                seq.committed = committed
+                if committed < seq.kv_limit:
+                    lane.grow(seq)
+                else:
+                    seq.grow_at = NEVER
         self._committed_tokens = total
-
 
 def _fits(explicit: list[SimSeq], budget: int, free: int, block: int) -> bool:
     """Whether the requests outside the lane get their chunks, in order, within the token

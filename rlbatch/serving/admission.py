@@ -288,12 +288,8 @@ class Admission:
                 return admitted
             request, prompt, truncated = queues[best][0]
             if budget is not None:
-                committed = engine.committed_tokens()
                 need = engine.kv_tokens_to_admit(request, best, prompt)
-                # committed_with is at most the sum, so it is read only when the sum does
-                # not fit (kv_commit="peak" projects, which costs a sort)
-                if (committed > 0 and committed + need > budget
-                        and engine.committed_with(need, self.kv_commit) > budget):
+                if engine.kv_budget_exceeded(need, self.kv_commit, budget):
                     self.budget_blocked_in_tick = self.budget_blocked = True
                     return admitted
             queues[best].popleft()

@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from rlbatch.engine.base import kv_budget_exceeded
 from rlbatch.engine.reserve import KvCommitMode, KvReserveMode, OutputReserve
 from rlbatch.engine.stats import EngineStats, FinishedRequest
 from rlbatch.request import Request
@@ -150,6 +151,9 @@ class HttpUpstream:
         # A proxy sees no request's progress inside the server, so it cannot project a peak:
         # every admitted request holds its count until its response ends, whatever commit.
         return self._committed + need
+
+    def kv_budget_exceeded(self, need: int, commit: KvCommitMode, limit: float) -> bool:
+        return kv_budget_exceeded(self, need, commit, limit)
 
     def kv_tokens_to_admit(self, request: Request, bucket: int, prompt_tokens: int) -> int:
         # max_output_tokens is the limit the request runs under (its max_tokens, fitted).

@@ -54,6 +54,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from rlbatch.engine.base import kv_budget_exceeded
 from rlbatch.engine.reserve import KvCommitMode, OutputReserve, peak_commitment
 from rlbatch.engine.stats import EngineStats, FinishedRequest
 from rlbatch.engine.telemetry import MemoryTelemetry
@@ -242,6 +243,9 @@ class VllmEngine:
             else:
                 held += count
         return peak_commitment(held, decoding, self.kv_block_size)
+
+    def kv_budget_exceeded(self, need: int, commit: KvCommitMode, limit: float) -> bool:
+        return kv_budget_exceeded(self, need, commit, limit)
 
     @property
     def kv_block_size(self) -> int:
