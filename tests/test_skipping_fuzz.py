@@ -162,8 +162,8 @@ def test_peak_figure_over_the_budget_reused_between_pure_decode_iterations_is_ri
     def checked(self: SimEngine, need: int, commit: KvCommitMode, limit: float) -> bool:
         nonlocal reused
         fresh = kv_budget_exceeded(self, need, commit, limit)
-        reused += (commit == "peak" and (self._kv_version, need) == self._over_key
-                   and self._over_value > limit)
+        reused += (commit == "peak" and self._kv_version == self._over_version
+                   and need == self._over_need and self._over_value > limit)
         answer = original(self, need, commit, limit)
         assert answer == fresh
         return answer

@@ -29,6 +29,7 @@ request.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 
 from rlbatch.engine.sim_seq import SimSeq
 
@@ -42,8 +43,8 @@ class DecodeLane:
     :param block_size: tokens per KV block.
     """
 
-    __slots__ = ("block_size", "epoch", "finish_heap", "grow_heap", "growing", "kv_base",
-                 "max_order", "n", "residues", "synced_epoch")
+    __slots__ = ("_moved_one", "block_size", "epoch", "finish_heap", "grow_heap", "growing",
+                 "kv_base", "max_order", "n", "residues", "synced_epoch")
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -65,6 +66,9 @@ class DecodeLane:
         self.synced_epoch = 0
         """The counter when the engine last brought the growing requests' counts up to
         date."""
+        # moved() over one counter step, by the counter mod block_size (the common case)
+        self._moved_one = [tuple(sorted({(1 - 2 * e) % block_size, (2 - 2 * e) % block_size}))
+                           for e in range(block_size)]
         self.max_order = -1
         """Highest running-order key that joined since the lane was last empty."""
 
@@ -87,12 +91,15 @@ class DecodeLane:
         """A lane request whose count follows its output from now on."""
         self.growing[(seq.prompt_len + 2 * seq.out_base) % self.block_size].append(seq)
 
-    def moved(self, since: int) -> range | list[int]:
+    def moved(self, since: int) -> Sequence[int]:
         """The growing lists (residues) whose counts may have moved from counter ``since`` to
         now: ``ceil(y / block)`` with ``y = prompt + 2 x num_output`` rises from one
         counter value to the next exactly when ``y mod block`` becomes 1 or 2."""
         block = self.block_size
-        if self.epoch - since >= -(-block // 2):
+        steps = self.epoch - since
+        if steps == 1:
+            return self._moved_one[self.epoch % block]
+        if steps >= -(-block // 2):
             return range(block)
         out: set[int] = set()
         for epoch in range(since + 1, self.epoch + 1):

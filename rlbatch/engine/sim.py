@@ -96,8 +96,9 @@ class SimEngine(SimScheduler):
         self.max_model_len = max_model_len
         self.gpu_memory_total_bytes = gpu_memory_total_bytes
         self.num_buckets = num_buckets
-        # kv_budget_exceeded's last peak figure and the (version, need) it was taken at
-        self._over_key = (-1, -1)
+        # kv_budget_exceeded's last peak figure and the version and need it was taken at
+        self._over_version = -1
+        self._over_need = -1
         self._over_value = 0
         self._reset_interval()
 
@@ -171,15 +172,16 @@ class SimEngine(SimScheduler):
         # While the budget holds a request back the deployment asks at every boundary. The
         # peak figure never falls while only pure-decode iterations run and counts grow
         # (self._kv_version; rlbatch.engine.reserve), so a figure over the limit stays over.
-        key = (self._kv_version, need)
-        if commit == "peak" and key == self._over_key and self._over_value > limit:
+        if (self._over_value > limit and self._over_need == need
+                and self._over_version == self._kv_version and commit == "peak"):
             return True
         committed = self.committed_tokens()
         if committed == 0 or committed + need <= limit:
             return False
         value = self.committed_with(need, commit)
         if commit == "peak":
-            self._over_key = key
+            self._over_version = self._kv_version
+            self._over_need = need
             self._over_value = value
         return value > limit
 
