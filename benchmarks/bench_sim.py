@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/bench_sim.py [--baseline d08d6e7] [--repeat 3] [--no-env]
     .venv/bin/python benchmarks/bench_sim.py --controller vllm-default --rate-scale 0.5
+    .venv/bin/python benchmarks/bench_sim.py --controller mpc --rate-scale 3.96 --gpu h100-80g \
+        --model llama-3.1-8b --first 1500 --drain-s 60 --no-env --repeat 2
 
 One command, one table. The baseline is another commit of this repository, unpacked read-only
 (``git archive``) into a temporary folder and run in the same way, interleaved with this
@@ -47,11 +49,12 @@ from rlbatch.control.controllers import make_controller
 from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.serving.run import run
 from rlbatch.workload import load_trace
-trace, rate, controller, gpu, model, skipping = sys.argv[1:7]
-workload = load_trace(trace, rate_scale=float(rate))
+trace, rate, controller, gpu, model, skipping, first, drain = sys.argv[1:9]
+workload = load_trace(trace, rate_scale=float(rate), max_requests=int(first) or None)
 spec = DeploymentSpec(gpu=gpu, model=model, event_skipping=skipping == "1")
 start = time.perf_counter()
-res = run(workload, make_controller(controller), spec, rate_scale=float(rate))
+res = run(workload, make_controller(controller), spec, rate_scale=float(rate),
+          drain_s=float(drain))
 wall = time.perf_counter() - start
 records = sorted(r.comparable() for r in res.records)
 row = {k: v for k, v in res.row.items()  # wall-clock figures differ from run to run
@@ -122,10 +125,10 @@ def _best(trees: dict[str, Path], repeat: int, measure: Any) -> dict[str, Any]:
 
 
 def _sim_run(trace: Path, rate: float, controller: str, gpu: str, model: str,
-             skipping: bool = True) -> Any:
+             first: int = 0, drain_s: float = 600.0, skipping: bool = True) -> Any:
     def measure(tree: Path) -> tuple[float, dict[str, Any]]:
         _, out = _python(tree, ["-c", _RUN, str(trace), str(rate), controller, gpu, model,
-                                "1" if skipping else "0"])
+                                "1" if skipping else "0", str(first), str(drain_s)])
         data = json.loads(out.strip().splitlines()[-1])
         return data["wall"], data
     return measure
@@ -144,6 +147,10 @@ def main() -> int:
     parser.add_argument("--trace", default=str(AZURE))
     parser.add_argument("--controller", default="static:16", help="the in-run figure's run")
     parser.add_argument("--rate-scale", type=float, default=1.0)
+    parser.add_argument("--first", type=int, default=0, metavar="N",
+                        help="the in-run figure's run on the trace's first N requests only")
+    parser.add_argument("--drain-s", type=float, default=600.0,
+                        help="the in-run figure's run: seconds it may run past the last arrival")
     parser.add_argument("--gpu", default="a100-80g")
     parser.add_argument("--model", default="llama-2-7b")
     parser.add_argument("--repeat", type=int, default=3, help="best of N for each figure")
@@ -171,7 +178,8 @@ def main() -> int:
                      "<= 1.7 s", whole["this"][0] <= 1.7))
 
         # in-run: full trace, static:16 at rate 1 (and the target run's row for exactness)
-        run_of = (trace, args.rate_scale, args.controller, args.gpu, args.model)
+        run_of = (trace, args.rate_scale, args.controller, args.gpu, args.model, args.first,
+                  args.drain_s)
         label = f"in-run, {args.controller} rate {args.rate_scale:g} (x real time)"
         inrun = _best(trees, args.repeat, _sim_run(*run_of))
         speed = {k: v[1]["sim"] / v[1]["wall"] for k, v in inrun.items()}
