@@ -87,9 +87,11 @@ class DecodeLane:
         if seq.order > self.max_order:
             self.max_order = seq.order
 
-    def grow(self, seq: SimSeq) -> None:
-        """A lane request whose count follows its output from now on."""
-        self.growing[(seq.prompt_len + 2 * seq.out_base) % self.block_size].append(seq)
+    def grow(self, seq: SimSeq) -> int:
+        """A lane request whose count follows its output from now on; its list (residue)."""
+        residue = (seq.prompt_len + 2 * seq.out_base) % self.block_size
+        self.growing[residue].append(seq)
+        return residue
 
     def moved(self, since: int) -> Sequence[int]:
         """The growing lists (residues) whose counts may have moved from counter ``since`` to

@@ -306,45 +306,48 @@ class SimScheduler(ExactScheduler):
     def _sync_growth(self) -> None:
         """Bring the lane's counted KV up to date (before the committed KV is read): the
         requests that reached their first growth join the growing lists, and the requests
-        on the lists whose counts moved since the last time (:meth:`DecodeLane.moved`) are
-        counted at their output now (the growth is a pure function of it)."""
+        on the lists whose counts moved since the last time (:meth:`DecodeLane.moved`), or
+        that one joined, are counted at their output now (the growth is a pure function of
+        it, so a request whose count did not move is counted the same again)."""
         lane = self._lane
         heap = lane.grow_heap
         epoch = lane.epoch
+        visit = lane.moved(lane.synced_epoch) if epoch != lane.synced_epoch else ()
+        lane.synced_epoch = epoch
+        if heap and heap[0][0] <= epoch:
+            joined: list[int] = []
+            while heap and heap[0][0] <= epoch:
+                seq = heapq.heappop(heap)[2]
+                if seq.in_lane:
+                    residue = lane.grow(seq)
+                    if residue not in visit and residue not in joined:
+                        joined.append(residue)
+            if joined:
+                visit = [*visit, *joined]
+        if not visit:
+            return
         grown = self._reserve.grown
         total = self._committed_tokens
         growing = lane.growing
-        if epoch != lane.synced_epoch:
-            for residue in lane.moved(lane.synced_epoch):
-                group = growing[residue]
-                if not group:
-                    continue
-                keep = []
-                for seq in group:
-                    if not seq.in_lane:
-                        continue  # finished since
-                    committed = grown(seq.committed, seq.kv_limit, seq.prompt_len,
-                                      seq.out_base + epoch)
-                    total += committed - seq.committed
-                    seq.committed = committed
-                    if committed < seq.kv_limit:
-                        keep.append(seq)
-                    else:
-                        seq.grow_at = NEVER
-                growing[residue] = keep
-            lane.synced_epoch = epoch
-        while heap and heap[0][0] <= epoch:
-            seq = heapq.heappop(heap)[2]
-            if seq.in_lane:
+        for residue in visit:
+            group = growing[residue]
+            if not group:
+                continue
+            keep = []
+            for seq in group:
+                if not seq.in_lane:
+                    continue  # finished since
                 committed = grown(seq.committed, seq.kv_limit, seq.prompt_len,
                                   seq.out_base + epoch)
                 total += committed - seq.committed
                 seq.committed = committed
                 if committed < seq.kv_limit:
-                    lane.grow(seq)
+                    keep.append(seq)
                 else:
                     seq.grow_at = NEVER
+            growing[residue] = keep
         self._committed_tokens = total
+
 
 def _fits(explicit: list[SimSeq], budget: int, free: int, block: int) -> bool:
     """Whether the requests outside the lane get their chunks, in order, within the token
