@@ -19,6 +19,7 @@ from rlbatch.control.observation import (
     observation_size,
 )
 from rlbatch.control.reward import RewardConfig, compute_reward
+from rlbatch.control.trim_release import release_late_trims
 from rlbatch.control.types import SLA, ControlAction, DeploymentInfo, DeploymentStats
 from rlbatch.engine.config import parse_pools
 from rlbatch.paths import default_training_traces
@@ -55,7 +56,9 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     cap sets) and, per bucket, ``action[1 + 2b]`` its share of the total (``1/8, 1/4, 1/2,
     1``: cap ``ceil(share * total)``, 1 = only the total limits it) and ``action[2 + 2b]``
     its pool. With ``decision_ticks = k`` one step holds the action for ``k`` ticks (the
-    guard still checks every tick) and returns the summed reward.
+    guard still checks every tick) and returns the summed reward. With ``trim_release_s``
+    set, a bucket's trim (cap under the total) is lifted on every tick where its queue head
+    has waited that long (:mod:`rlbatch.control.trim_release`), as ``ppo:PATH`` serves it.
 
     ## Observation space
     ``Box(0, 10, (8 B + 13,), float32)``; every feature is normalised and clipped to [0, 10].
@@ -124,7 +127,8 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     episode_s=600, tick_s=1.0, drain_s=120, gpu="a100-80g", model="llama-2-7b",
     pools="fp16", ladder=None, guard=None, reward=None, sla=None, buckets=None,
     load_scale=1.0, window_s=30, engine="sim", max_model_len=None,
-    action_kind="per_bucket", obs_version=1, decision_ticks=1, shares=SHARE_LADDER)``
+    action_kind="per_bucket", obs_version=1, decision_ticks=1, shares=SHARE_LADDER,
+    trim_release_s=None)``
 
     * ``scenario``: ``mixed`` (trace slices + generators), a named scenario (``day``,
       ``night``, ``bursty``, ``diurnal``), or a trace file path (random slices of it).
@@ -142,6 +146,7 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     * ``decision_ticks``: ticks one action is held for.
     * ``shares``: the ``total_share`` action's share ladder (``(1.0,)``: the total cap
       only).
+    * ``trim_release_s``: the trim release's wait, seconds (``None``: off, the default).
 
     ## Version history
     * v0: initial version; observation version 3 added without a new env version (the
@@ -173,8 +178,12 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
         obs_version: int = 1,
         decision_ticks: int = 1,
         shares: tuple[float, ...] = SHARE_LADDER,
+        trim_release_s: float | None = None,
     ) -> None:
         super().__init__()
+        if trim_release_s is not None and not trim_release_s > 0:
+            raise ValueError(f"trim_release_s must be > 0 or None, got {trim_release_s}")
+        self.trim_release_s = trim_release_s
         if not episode_s > 0 or not tick_s > 0 or not drain_s >= 0:
             raise ValueError(f"episode_s and tick_s must be > 0 and drain_s >= 0, got "
                              f"{episode_s}, {tick_s}, {drain_s}")
@@ -260,7 +269,9 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
         parts: dict[str, float] = {}
         fired: list[str] = []
         for _ in range(self.decision_ticks):
-            safe, overrides = self.guard.check(proposed, self._last_stats)
+            held = (proposed if self.trim_release_s is None else
+                    release_late_trims(proposed, self._last_stats, self.trim_release_s))
+            safe, overrides = self.guard.check(held, self._last_stats)
             self._loop.apply(safe)
             stats = self._loop.tick()
             self._last_stats = stats

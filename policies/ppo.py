@@ -5,6 +5,10 @@ observation code and guard as the environment it was trained in. The artifact sa
 action space (``per_bucket`` or ``total_share``), observation version and decision interval
 the policy was trained with; artifacts without those fields are the first policies'
 (per-bucket caps, observation version 1, a decision every tick).
+
+A policy's per-bucket trims are released while the trimmed bucket's queue head has waited
+half the SLA's TTFT (:mod:`rlbatch.control.trim_release`; ``ppo:PATH:release=F`` for another
+fraction, ``ppo:PATH:release=off`` for none).
 """
 
 from __future__ import annotations
@@ -18,9 +22,11 @@ from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, Codec, make
 from rlbatch.control.guard import GuardConfig
 from rlbatch.control.guard_record import guard_from_record, record_mismatch
 from rlbatch.control.observation import ObservationBuilder
+from rlbatch.control.trim_release import TRIM_RELEASE_FRACTION, release_late_trims
 from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats
 
 log = logging.getLogger(__name__)
+
 
 
 def artifact_guard(artifact: PolicyArtifact) -> GuardConfig:
@@ -55,11 +61,19 @@ class PpoController(GuardedController):
     :param guard: guard configuration (default: the one the artifact records, see
         :func:`artifact_guard`); differences from the recorded one are logged as warnings
         and kept in :attr:`guard_warnings`.
+    :param trim_release: a bucket's trim is lifted while its queue head has waited this
+        fraction of the SLA's TTFT (:func:`~rlbatch.control.trim_release.release_late_trims`);
+        ``None``: the policy's trims stand however long requests wait.
     """
 
     def __init__(self, artifact: PolicyArtifact, name: str = "ppo",
-                 guard: GuardConfig | None = None) -> None:
+                 guard: GuardConfig | None = None,
+                 trim_release: float | None = TRIM_RELEASE_FRACTION) -> None:
+        if trim_release is not None and not trim_release > 0:
+            raise ValueError(f"trim_release must be > 0 (a fraction of the SLA's TTFT) or "
+                             f"None, got {trim_release}")
         super().__init__(name, guard or artifact_guard(artifact))
+        self.trim_release = trim_release
         self.artifact = artifact
         self.guard_warnings = guard_warnings(artifact, self.guard.config)
         for line in self.guard_warnings:
@@ -109,14 +123,31 @@ class PpoController(GuardedController):
         self._ticks += 1
         if self._held is None or (self._ticks - 1) % self.decision_ticks == 0:
             self._held = self._codec.decode(self.artifact.act(obs))
-        return self._held
+        if self.trim_release is None or self.info is None:
+            return self._held
+        return release_late_trims(self._held, stats, self.trim_release * self.info.sla.ttft_s)
 
     def guard_flags(self) -> tuple[float, ...]:
         return self.guard.flags()
 
 
 def ppo_factory(arg: str) -> PpoController:
-    """``ppo:PATH`` (a folder with policy.json + policy.safetensors, or the JSON file)."""
-    if not arg:
+    """``ppo:PATH`` (a folder with policy.json + policy.safetensors, or the JSON file), or
+    ``ppo:PATH:release=F`` / ``ppo:PATH:release=off`` (the trim release's fraction of the
+    SLA's TTFT, default :data:`TRIM_RELEASE_FRACTION`; ``off``: none)."""
+    path, sep, option = arg.rpartition(":")
+    release: float | None = TRIM_RELEASE_FRACTION
+    if sep and option.startswith("release="):
+        value = option.removeprefix("release=")
+        try:
+            release = None if value == "off" else float(value)
+            if release is not None and not release > 0:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"ppo option release takes a fraction of the SLA's TTFT > 0 or "
+                             f"'off', e.g. ppo:{path}:release=0.5; got release={value}") from None
+    else:
+        path = arg
+    if not path:
         raise ValueError("ppo needs an artifact path, e.g. ppo:policies/default")
-    return PpoController(load_artifact(Path(arg)), name=f"ppo:{arg}")
+    return PpoController(load_artifact(Path(path)), name=f"ppo:{arg}", trim_release=release)
