@@ -13,13 +13,13 @@ from gymnasium import spaces
 from rlbatch.buckets import Buckets
 from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, make_codec
 from rlbatch.control.guard import DEFAULT_LADDER, Guard, GuardConfig
+from rlbatch.control.hold_release import release_late_holds
 from rlbatch.control.observation import (
     CLIP,
     ObservationBuilder,
     observation_size,
 )
 from rlbatch.control.reward import RewardConfig, compute_reward
-from rlbatch.control.trim_release import release_late_trims
 from rlbatch.control.types import SLA, ControlAction, DeploymentInfo, DeploymentStats
 from rlbatch.engine.config import parse_pools
 from rlbatch.paths import default_training_traces
@@ -56,9 +56,10 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     cap sets) and, per bucket, ``action[1 + 2b]`` its share of the total (``1/8, 1/4, 1/2,
     1``: cap ``ceil(share * total)``, 1 = only the total limits it) and ``action[2 + 2b]``
     its pool. With ``decision_ticks = k`` one step holds the action for ``k`` ticks (the
-    guard still checks every tick) and returns the summed reward. With ``trim_release_s``
-    set, a bucket's trim (cap under the total) is lifted on every tick where its queue head
-    has waited that long (:mod:`rlbatch.control.trim_release`), as ``ppo:PATH`` serves it.
+    guard still checks every tick) and returns the summed reward. With ``hold_release_s``
+    set, what the action holds back is released on every tick where a queue head has waited
+    that long (a trimmed bucket's trim; the total while TPOT is within its SLA:
+    :mod:`rlbatch.control.hold_release`), as ``ppo:PATH`` serves a policy.
 
     ## Observation space
     ``Box(0, 10, (8 B + 13,), float32)``; every feature is normalised and clipped to [0, 10].
@@ -128,7 +129,7 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     pools="fp16", ladder=None, guard=None, reward=None, sla=None, buckets=None,
     load_scale=1.0, window_s=30, engine="sim", max_model_len=None,
     action_kind="per_bucket", obs_version=1, decision_ticks=1, shares=SHARE_LADDER,
-    trim_release_s=None)``
+    hold_release_s=None)``
 
     * ``scenario``: ``mixed`` (trace slices + generators), a named scenario (``day``,
       ``night``, ``bursty``, ``diurnal``), or a trace file path (random slices of it).
@@ -146,7 +147,7 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     * ``decision_ticks``: ticks one action is held for.
     * ``shares``: the ``total_share`` action's share ladder (``(1.0,)``: the total cap
       only).
-    * ``trim_release_s``: the trim release's wait, seconds (``None``: off, the default).
+    * ``hold_release_s``: the hold release's wait, seconds (``None``: off, the default).
 
     ## Version history
     * v0: initial version; observation version 3 added without a new env version (the
@@ -178,12 +179,12 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
         obs_version: int = 1,
         decision_ticks: int = 1,
         shares: tuple[float, ...] = SHARE_LADDER,
-        trim_release_s: float | None = None,
+        hold_release_s: float | None = None,
     ) -> None:
         super().__init__()
-        if trim_release_s is not None and not trim_release_s > 0:
-            raise ValueError(f"trim_release_s must be > 0 or None, got {trim_release_s}")
-        self.trim_release_s = trim_release_s
+        if hold_release_s is not None and not hold_release_s > 0:
+            raise ValueError(f"hold_release_s must be > 0 or None, got {hold_release_s}")
+        self.hold_release_s = hold_release_s
         if not episode_s > 0 or not tick_s > 0 or not drain_s >= 0:
             raise ValueError(f"episode_s and tick_s must be > 0 and drain_s >= 0, got "
                              f"{episode_s}, {tick_s}, {drain_s}")
@@ -269,8 +270,9 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
         parts: dict[str, float] = {}
         fired: list[str] = []
         for _ in range(self.decision_ticks):
-            held = (proposed if self.trim_release_s is None else
-                    release_late_trims(proposed, self._last_stats, self.trim_release_s))
+            held = (proposed if self.hold_release_s is None else release_late_holds(
+                proposed, self._last_stats, wait_s=self.hold_release_s,
+                tpot_sla_s=self._info.sla.tpot_s, max_total=self.guard.config.max_cap))
             safe, overrides = self.guard.check(held, self._last_stats)
             self._loop.apply(safe)
             stats = self._loop.tick()

@@ -25,7 +25,7 @@ import gymnasium as gym
 import numpy as np
 
 from rlbatch.control.action_codec import SHARE_LADDER
-from rlbatch.control.trim_release import TRIM_RELEASE_FRACTION
+from rlbatch.control.hold_release import HOLD_RELEASE_FRACTION
 from rlbatch.control.types import SLA
 from rlbatch.workload import Workload
 
@@ -201,9 +201,9 @@ def _steps_per_env(cfg: FinetuneConfig, n_envs: int) -> int:
 def recipe_env_kwargs(gpu: str, model: str, pools: str, episode_s: float, obs_version: int,
                       decision_ticks: int, shares: tuple[float, ...] = SHARE_LADDER
                       ) -> dict[str, Any]:
-    """The env arguments that give a recipe student's spaces and deployment, and the trim
+    """The env arguments that give a recipe student's spaces and deployment, and the hold
     release it is served with (``ppo:PATH``'s default, at the default SLA)."""
     return {"gpu": gpu, "model": model, "pools": pools, "episode_s": episode_s,
             "action_kind": "total_share", "obs_version": obs_version,
             "decision_ticks": decision_ticks, "shares": tuple(shares),
-            "trim_release_s": TRIM_RELEASE_FRACTION * SLA().ttft_s}
+            "hold_release_s": HOLD_RELEASE_FRACTION * SLA().ttft_s}

@@ -6,9 +6,10 @@ action space (``per_bucket`` or ``total_share``), observation version and decisi
 the policy was trained with; artifacts without those fields are the first policies'
 (per-bucket caps, observation version 1, a decision every tick).
 
-A policy's per-bucket trims are released while the trimmed bucket's queue head has waited
-half the SLA's TTFT (:mod:`rlbatch.control.trim_release`; ``ppo:PATH:release=F`` for another
-fraction, ``ppo:PATH:release=off`` for none).
+What a policy holds back is released once a queue head has waited half the SLA's TTFT: the
+trimmed bucket's trim, and the total while TPOT is within its SLA
+(:mod:`rlbatch.control.hold_release`; ``ppo:PATH:release=F`` for another fraction,
+``ppo:PATH:release=off`` for none).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from policies.rules import GuardedController
 from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, Codec, make_codec
 from rlbatch.control.guard import GuardConfig
 from rlbatch.control.guard_record import guard_from_record, record_mismatch
+from rlbatch.control.hold_release import HOLD_RELEASE_FRACTION, release_late_holds
 from rlbatch.control.observation import ObservationBuilder
-from rlbatch.control.trim_release import TRIM_RELEASE_FRACTION, release_late_trims
 from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats
 
 log = logging.getLogger(__name__)
@@ -61,19 +62,20 @@ class PpoController(GuardedController):
     :param guard: guard configuration (default: the one the artifact records, see
         :func:`artifact_guard`); differences from the recorded one are logged as warnings
         and kept in :attr:`guard_warnings`.
-    :param trim_release: a bucket's trim is lifted while its queue head has waited this
-        fraction of the SLA's TTFT (:func:`~rlbatch.control.trim_release.release_late_trims`);
-        ``None``: the policy's trims stand however long requests wait.
+    :param hold_release: what the policy holds back is released once a queue head has waited
+        this fraction of the SLA's TTFT
+        (:func:`~rlbatch.control.hold_release.release_late_holds`); ``None``: the policy's
+        trims and total stand however long requests wait.
     """
 
     def __init__(self, artifact: PolicyArtifact, name: str = "ppo",
                  guard: GuardConfig | None = None,
-                 trim_release: float | None = TRIM_RELEASE_FRACTION) -> None:
-        if trim_release is not None and not trim_release > 0:
-            raise ValueError(f"trim_release must be > 0 (a fraction of the SLA's TTFT) or "
-                             f"None, got {trim_release}")
+                 hold_release: float | None = HOLD_RELEASE_FRACTION) -> None:
+        if hold_release is not None and not hold_release > 0:
+            raise ValueError(f"hold_release must be > 0 (a fraction of the SLA's TTFT) or "
+                             f"None, got {hold_release}")
         super().__init__(name, guard or artifact_guard(artifact))
-        self.trim_release = trim_release
+        self.hold_release = hold_release
         self.artifact = artifact
         self.guard_warnings = guard_warnings(artifact, self.guard.config)
         for line in self.guard_warnings:
@@ -123,9 +125,11 @@ class PpoController(GuardedController):
         self._ticks += 1
         if self._held is None or (self._ticks - 1) % self.decision_ticks == 0:
             self._held = self._codec.decode(self.artifact.act(obs))
-        if self.trim_release is None or self.info is None:
+        if self.hold_release is None or self.info is None:
             return self._held
-        return release_late_trims(self._held, stats, self.trim_release * self.info.sla.ttft_s)
+        sla = self.info.sla
+        return release_late_holds(self._held, stats, wait_s=self.hold_release * sla.ttft_s,
+                                  tpot_sla_s=sla.tpot_s, max_total=self.guard.config.max_cap)
 
     def guard_flags(self) -> tuple[float, ...]:
         return self.guard.flags()
@@ -133,10 +137,11 @@ class PpoController(GuardedController):
 
 def ppo_factory(arg: str) -> PpoController:
     """``ppo:PATH`` (a folder with policy.json + policy.safetensors, or the JSON file), or
-    ``ppo:PATH:release=F`` / ``ppo:PATH:release=off`` (the trim release's fraction of the
-    SLA's TTFT, default :data:`TRIM_RELEASE_FRACTION`; ``off``: none)."""
+    ``ppo:PATH:release=F`` / ``ppo:PATH:release=off`` (the hold release's fraction of the
+    SLA's TTFT, default :data:`~rlbatch.control.hold_release.HOLD_RELEASE_FRACTION`;
+    ``off``: none)."""
     path, sep, option = arg.rpartition(":")
-    release: float | None = TRIM_RELEASE_FRACTION
+    release: float | None = HOLD_RELEASE_FRACTION
     if sep and option.startswith("release="):
         value = option.removeprefix("release=")
         try:
@@ -150,4 +155,4 @@ def ppo_factory(arg: str) -> PpoController:
         path = arg
     if not path:
         raise ValueError("ppo needs an artifact path, e.g. ppo:policies/default")
-    return PpoController(load_artifact(Path(path)), name=f"ppo:{arg}", trim_release=release)
+    return PpoController(load_artifact(Path(path)), name=f"ppo:{arg}", hold_release=release)

@@ -1,0 +1,130 @@
+"""The hold release: what a policy holds back is released once its queue head waits too long."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from envs.batch_size import BatchSizeEnv
+from policies.ppo import PpoController, ppo_factory
+from rlbatch.control.guard import GuardConfig
+from rlbatch.control.hold_release import HOLD_RELEASE_FRACTION, release_late_holds
+from rlbatch.control.types import ControlAction, DeploymentStats, WindowStats
+
+POOLS = ("fp16",) * 4
+
+
+def _stats(queued: tuple[int, ...], waits: tuple[float, ...],
+           tpot_p99_s: float = 0.2) -> DeploymentStats:
+    # TPOT P99 over the 0.1 s SLA by default: only the trims are released
+    window = WindowStats(30.0, (0.0,) * 4, (0.0,) * 4, 0.0, tpot_p99_s, 0.0, (0,) * 4, (0,) * 4)
+    return DeploymentStats(10.0, 1.0, (), queued, (0,) * 4, (0,) * 4, window,
+                           ControlAction((None,) * 4, POOLS), oldest_wait_s=waits)
+
+
+TRIMMED = ControlAction((2, 4, 8, None), POOLS, max_num_seqs=16)
+
+
+def release(action: ControlAction, stats: DeploymentStats | None,
+            wait_s: float = 1.0) -> ControlAction:
+    return release_late_holds(action, stats, wait_s=wait_s, tpot_sla_s=0.1, max_total=256)
+
+
+@pytest.mark.parametrize(("queued", "waits", "caps"), [
+    ((1, 1, 1, 1), (0.5, 0.99, 1.0, 5.0), (2, 4, None, None)),  # at the wait it is released
+    ((0, 3, 0, 0), (0.0, 4.0, 0.0, 0.0), (2, None, 8, None)),
+    ((0, 0, 0, 9), (0.0, 0.0, 0.0, 9.0), (2, 4, 8, None)),  # untrimmed: nothing to release
+    ((0, 0, 0, 0), (0.0, 0.0, 0.0, 0.0), (2, 4, 8, None)),
+])
+def test_only_trims_of_buckets_whose_queue_head_waited_are_released(
+        queued: tuple[int, ...], waits: tuple[float, ...], caps: tuple[int | None, ...]) -> None:
+    released = release(TRIMMED, _stats(queued, waits))
+    assert released.caps == caps
+    assert released.max_num_seqs == 16 and released.pools == POOLS
+
+
+def test_a_cap_at_the_total_or_without_a_total_is_not_a_trim() -> None:
+    late = _stats((1, 1, 1, 1), (3.0,) * 4)
+    at_total = ControlAction((16, 16, 2, None), POOLS, max_num_seqs=16)
+    assert release(at_total, late).caps == (16, 16, None, None)
+    per_bucket = ControlAction((2, 4, 8, 16), POOLS)  # no engine-wide total
+    assert release(per_bucket, late) is per_bucket
+
+
+@pytest.mark.parametrize(("waits", "tpot_p99_s", "total"), [
+    ((0.0, 0.0, 2.0, 0.0), 0.1, 256),  # a late head, TPOT within its SLA: the total goes
+    ((0.0, 0.0, 2.0, 0.0), 0.11, 16),  # TPOT over it: the total is what keeps decodes fast
+    ((0.0, 0.5, 0.9, 0.0), 0.05, 16),  # nobody late
+])
+def test_the_total_is_released_only_while_tpot_is_within_its_sla(
+        waits: tuple[float, ...], tpot_p99_s: float, total: int) -> None:
+    action = ControlAction((None,) * 4, POOLS, max_num_seqs=16)
+    queued = tuple(int(w > 0) for w in waits)
+    assert release(action, _stats(queued, waits, tpot_p99_s)).max_num_seqs == total
+    top = ControlAction((None,) * 4, POOLS, max_num_seqs=256)
+    assert release(top, _stats(queued, waits, tpot_p99_s)) is top
+
+
+def test_nothing_to_judge_leaves_the_action() -> None:
+    assert release(TRIMMED, None) is TRIMMED
+    assert release(TRIMMED, replace(_stats((1,) * 4, (9.0,) * 4, 0.0), oldest_wait_s=())) \
+        is TRIMMED
+
+
+@pytest.mark.parametrize("wait_s", [0.0, -1.0, float("nan")])
+def test_a_wait_that_is_not_positive_raises(wait_s: float) -> None:
+    with pytest.raises(ValueError, match="hold release wait"):
+        release(TRIMMED, None, wait_s)
+
+
+def test_ppo_spec_sets_the_release() -> None:
+    default = ppo_factory("policies/default")
+    assert default.hold_release == HOLD_RELEASE_FRACTION
+    assert ppo_factory("policies/default:release=0.25").hold_release == 0.25
+    off = ppo_factory("policies/default:release=off")
+    assert off.hold_release is None and off.name == "ppo:policies/default:release=off"
+    for bad in ("release=0", "release=-1", "release=soon"):
+        with pytest.raises(ValueError, match="release takes"):
+            ppo_factory(f"policies/default:{bad}")
+    with pytest.raises(ValueError, match="hold_release must be > 0"):
+        PpoController(default.artifact, hold_release=0.0)
+
+
+def test_env_releases_what_the_action_holds_exactly_when_a_queue_head_has_waited() -> None:
+    # A total of 16 with the 0-1k bucket held to 1/8 of it (cap 2), the guard's rules off so
+    # that the caps in force are the proposal. With the release, on exactly the ticks whose
+    # previous snapshot had a queue head waiting 1 s or more, the 0-1k cap is lifted (if
+    # that head was its own) and the total goes to 256 (if TPOT was within its SLA).
+    unguarded = GuardConfig(ladder=(4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256),
+                            warmup=False, kv_high=False, p99=False, efficiency=False,
+                            kv_budget=False)
+    kwargs = {"scenario": "day", "episode_s": 60.0, "drain_s": 20.0, "guard": unguarded,
+              "action_kind": "total_share", "obs_version": 3, "load_scale": 6.0}
+    action = np.array([3, 0, 0, 3, 0, 3, 0, 3, 0], dtype=np.int64)  # 16; 0-1k at 1/8
+    in_force: dict[float | None, set[tuple[int | None, int | None]]] = {}
+    released = {"cap": 0, "total": 0, "held": 0}
+    for wait_s in (None, 1.0):
+        env = BatchSizeEnv(**kwargs, hold_release_s=wait_s)  # type: ignore[arg-type]
+        env.reset(seed=3)
+        seen: set[tuple[int | None, int | None]] = set()
+        previous = None
+        for _ in range(60):
+            env.step(action)
+            stats = env._last_stats
+            assert stats is not None
+            seen.add((stats.action.caps[0], stats.action.max_num_seqs))
+            if wait_s is not None and previous is not None:
+                own = previous.queued[0] > 0 and previous.oldest_wait_s[0] >= wait_s
+                late = max(previous.oldest_wait_s) >= wait_s
+                fast = previous.window.tpot_p99_all_s <= 0.1
+                assert stats.action.caps[0] == (None if own else 2)
+                assert stats.action.max_num_seqs == (256 if late and fast else 16)
+                released["cap"] += own
+                released["total"] += late and fast
+                released["held"] += late and not fast
+            previous = stats
+        in_force[wait_s] = seen
+    assert in_force[None] == {(2, 16)}
+    assert released["cap"] > 0 and released["total"] > 0
