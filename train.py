@@ -224,7 +224,8 @@ def main_distill(args: argparse.Namespace) -> int:
                   flush=True)
 
     try:
-        summary = train_students(cfg, log=log, progress=say, ray=args.ray)
+        summary = train_students(cfg, log=log, progress=say, ray=args.ray,
+                                 quiet=args.no_progress)
     finally:
         writer.close()
     print(f"trained in {summary['wall_s']:.0f} s on {summary['decisions']} teacher decisions; "

@@ -25,12 +25,12 @@ from policies.training import training_record
 
 def train_students(cfg: RecipeConfig, log: Callable[[str, float, int], None] | None = None,
                    progress: Callable[[str], None] | None = None,
-                   ray: str | None = None) -> dict[str, Any]:
+                   ray: str | None = None, quiet: bool = False) -> dict[str, Any]:
     """The recipe's policy: one student (:func:`policies.recipe.run_recipe`) or, with
     ``members > 1``, the merged students of :func:`run_members`. Same arguments and summary."""
     if cfg.members > 1:
-        return run_members(cfg, log, progress, ray)
-    return run_recipe(cfg, log, progress, ray)
+        return run_members(cfg, log, progress, ray, quiet)
+    return run_recipe(cfg, log, progress, ray, quiet)
 
 
 def member_config(cfg: RecipeConfig, k: int) -> RecipeConfig:
@@ -73,13 +73,14 @@ def _prefixed_say(progress: Callable[[str], None] | None, prefix: str
 
 def run_members(cfg: RecipeConfig, log: Callable[[str, float, int], None] | None = None,
                 progress: Callable[[str], None] | None = None,
-                ray: str | None = None) -> dict[str, Any]:
+                ray: str | None = None, quiet: bool = False) -> dict[str, Any]:
     """Train (or reuse) every member, merge their selected students into ``out/best``.
 
     :param cfg: the configuration (``members > 1``).
     :param log: TensorBoard scalars; member ``k``'s under ``member-k/``.
     :param progress: phase messages.
     :param ray: run each member's teacher and DAgger episodes as Ray tasks.
+    :param quiet: no progress bar for those Ray tasks.
     :returns: the summary written to ``out/recipe.json`` (``best``: the merged artifact;
         ``selection_scores``: each member's selected score; ``members``: each member's run).
     """
@@ -98,7 +99,7 @@ def run_members(cfg: RecipeConfig, log: Callable[[str, float, int], None] | None
         else:
             say(f"member {k + 1} of {cfg.members} (seed {member.seed}) in {member.out}")
             summary = run_recipe(member, _prefixed(log, f"member-{k}/"),
-                                 _prefixed_say(progress, f"member {k}: "), ray)
+                                 _prefixed_say(progress, f"member {k}: "), ray, quiet)
         # the member's own folder, also for a run moved there after it finished
         members.append({"seed": member.seed, "out": member.out,
                         "best": str(Path(member.out) / "best" / "policy.json"),

@@ -310,13 +310,15 @@ class Recipe:
     :param log: ``callable(tag, value, step)`` (TensorBoard scalars), optional.
     :param ray: run the teacher / DAgger episodes as Ray tasks (``None``: in this process;
         :data:`rlbatch.scale.LOCAL` or a cluster address); the data are the same.
+    :param quiet: no progress bar for those Ray tasks.
     """
 
     def __init__(self, cfg: RecipeConfig,
                  log: Callable[[str, float, int], None] | None = None,
-                 ray: str | None = None) -> None:
+                 ray: str | None = None, quiet: bool = False) -> None:
         self.cfg = cfg
         self.ray = ray
+        self.quiet = quiet
         self.log = log or (lambda tag, value, step: None)
         spec = cfg.spec()
         self.spec = spec
@@ -358,7 +360,7 @@ class Recipe:
         results = run_tasks(_episode_task, items, shared=workloads,
                             shared_key=lambda item: item[0],
                             describe=lambda item: f"episode {item[0]} of seed {self.cfg.seed}",
-                            desc="teacher" if student is None else "dagger")
+                            desc="teacher" if student is None else "dagger", quiet=self.quiet)
         if failed(results):
             raise RuntimeError("; ".join(f"{e.inputs}: {e.error}" for e in failed(results)))
         done = [r for r in results if not isinstance(r, TaskError)]
@@ -440,13 +442,14 @@ class Recipe:
 
 def run_recipe(cfg: RecipeConfig, log: Callable[[str, float, int], None] | None = None,
                progress: Callable[[str], None] | None = None,
-               ray: str | None = None) -> dict[str, Any]:
+               ray: str | None = None, quiet: bool = False) -> dict[str, Any]:
     """All phases; writes ``out/student-*``, ``out/best`` and ``out/recipe.json``.
 
     :param cfg: the configuration.
     :param log: TensorBoard scalars ``callable(tag, value, step)``.
     :param progress: phase messages.
     :param ray: run the teacher and DAgger episodes as Ray tasks (same data).
+    :param quiet: no progress bar for the Ray tasks.
     """
     if cfg.members > 1:
         raise ValueError(f"run_recipe trains one student; members={cfg.members} is "
@@ -454,7 +457,7 @@ def run_recipe(cfg: RecipeConfig, log: Callable[[str, float, int], None] | None 
     say = progress or (lambda text: None)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    recipe = Recipe(cfg, log, ray)
+    recipe = Recipe(cfg, log, ray, quiet)
     start = time.perf_counter()
     say(f"teacher data: {cfg.teacher} on {cfg.episodes} workloads")
     teacher_rows = recipe.teacher_data()

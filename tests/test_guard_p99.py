@@ -31,10 +31,11 @@ NO_P99 = dict(warmup=False, kv_high=False, efficiency=False)
 
 def _stats(t: float, *, tpot_p99: float = 0.02, kv: float = 0.1, running: tuple[int, ...] = (
         0, 0, 0, 0), arrived: tuple[int, ...] = (0, 0, 0, 0), queued: tuple[int, ...] = (
-        0, 0, 0, 0), action: ControlAction = TOTAL_64, recomputed: int = 0) -> DeploymentStats:
+        0, 0, 0, 0), action: ControlAction = TOTAL_64, recomputed: int = 0, iterations: int = 40,
+        busy_s: float = 1.0, prefill: int = 100, decode: int = 900) -> DeploymentStats:
     nan4 = (float("nan"),) * 4
     engine = EngineStats(0, "fp16", t - 1, t, running, (0,) * 4, kv, kv, 0, 1000, 100, 0, 1,
-                         40, 1.0, 100, 900, 0, recomputed, 0, 256, ())
+                         iterations, busy_s, prefill, decode, 0, recomputed, 0, 256, ())
     window = WindowStats(30.0, nan4, nan4, 0.5, tpot_p99, 1.0, (0,) * 4, (0,) * 4)
     return DeploymentStats(t, 1.0, (engine,), queued, arrived, (0,) * 4, window, action)
 
@@ -123,6 +124,39 @@ def test_proportional_leaves_a_breach_of_the_traffics_own_bulk_alone() -> None:
         action, overrides = guard.check(caps, _stats(t, tpot_p99=0.16, arrived=(1, 0, 1, 3),
                                                      running=(5, 0, 5, 20)))
         assert action.caps == (64,) * 4 and not overrides
+
+
+TOTAL_256 = ControlAction((None,) * 4, FOUR, 256)
+CHAT = (4, 0, 0, 0)  # one bucket only: no bucket is long against the traffic
+
+
+def test_proportional_trims_the_total_when_every_decode_step_is_slow() -> None:
+    guard = _guard(**NO_P99)
+    slow = dict(running=(200, 0, 0, 0), arrived=CHAT, iterations=8, busy_s=1.0, prefill=100,
+                decode=1600, action=TOTAL_256)  # 125 ms per step, decodes dominate
+    for t in range(1, 301):
+        action, _ = guard.check(TOTAL_256, _stats(t, **slow))  # type: ignore[arg-type]
+        assert action.max_num_seqs == 256
+    action, overrides = guard.check(TOTAL_256, _stats(301, tpot_p99=0.15, **slow))  # type: ignore[arg-type]
+    # the mean step ramps in like an average from zero: 125 ms x (1 - 0.99^301)
+    step_s = 0.125 * (1 - 0.99 ** 301)
+    assert action.max_num_seqs == int(200 * 0.1 / step_s) == 168
+    assert [o.rule for o in overrides] == ["p99"]
+
+
+def test_proportional_leaves_long_prefill_chunks_among_fast_decode_steps_alone() -> None:
+    # One 0.8 s prefill chunk every fourth second among 13 ms decode steps (long prompts on a
+    # big model): the tail breaches, the mean step a decode waits is 16 ms. Averaged per tick
+    # (the rule before guard revision 10) the step read 210 ms and the total was cut to 1.
+    guard = _guard(**NO_P99)
+    chunk = dict(iterations=1, busy_s=0.8, prefill=8192, decode=2)
+    decode = dict(iterations=75, busy_s=0.975, prefill=0, decode=150)
+    for t in range(1, 401):
+        tick = chunk if t % 4 == 0 else decode
+        action, overrides = guard.check(TOTAL_256, _stats(  # type: ignore[arg-type]
+            t, tpot_p99=0.6 if t > 100 else 0.02, running=(2, 0, 0, 0), arrived=CHAT,
+            action=TOTAL_256, **tick))
+        assert action.max_num_seqs == 256 and not overrides, t
 
 
 @pytest.mark.parametrize("field,value", [

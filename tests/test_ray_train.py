@@ -56,6 +56,17 @@ def test_teacher_episodes_on_ray_equal_serial(cluster: None, small_trace: Path,
     assert comparable_rows(rows_r) == comparable_rows(rows_s)
 
 
+@pytest.mark.parametrize("quiet", [True, False])
+def test_teacher_tasks_progress_bar_follows_quiet(cluster: None, small_trace: Path,
+                                                 tmp_path: Path, quiet: bool,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    # train.py --no-progress passes quiet down: the main job's log had Ray's bars without it
+    cfg = _cfg(small_trace, tmp_path)
+    recipe = Recipe(cfg, ray=LOCAL, quiet=quiet)
+    recipe.collect(sample_episodes(cfg, np.random.default_rng(3), 1, recipe.traces))
+    assert ("teacher:" in capsys.readouterr().err) is not quiet
+
+
 @pytest.mark.live
 def test_seeds_on_ray_equal_serial_seeds(cluster: None, small_trace: Path,
                                          tmp_path: Path) -> None:

@@ -20,10 +20,11 @@ from dataclasses import fields
 
 from rlbatch.control.guard import GuardConfig
 
-GUARD_REVISION = 9
+GUARD_REVISION = 10
 """Bumped whenever a rule behaves differently under the same configuration (8: the P99 trim
 serves a steady share of long prompts, BENCHMARKS.md issue 14, stop 8; 9: the KV budget holds
-the peak of the projected KV, ``kv_commit``, stop 20)."""
+the peak of the projected KV, ``kv_commit``, stop 20; 10: the P99 trim's "the batch is too
+slow" test reads the mean step weighted by iterations, not the mean of each tick's, stop 25)."""
 
 
 def guard_record(config: GuardConfig) -> dict[str, object]:

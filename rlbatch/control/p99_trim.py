@@ -8,7 +8,11 @@ of the prefill that slows every decode) while they surge (recent arrival rate ov
 share of long prompts held back only queues until its requests miss), which are trimmed to
 their occupancy x SLA / P99 (at least one less, floor 1). With no long bucket (surging or
 not), when the mean iteration time exceeds the TPOT limit while decodes dominate the computed
-tokens, the batch is too big for everyone: the total (without a total, every occupied bucket)
+tokens, the batch is too big for everyone (the mean over iterations, which is what a decoding
+request waits per token: a few long prefill chunks among many short decode steps raise the
+tail, not the mean, and no total removes them; averaging per tick instead let one 0.7 s chunk
+in a second of 13 ms decodes count as a slow batch and cut the total to 1 on long-prompt
+traffic, BENCHMARKS.md issue 14, stop 25): the total (without a total, every occupied bucket)
 is trimmed to the running count x SLA / iteration time. Otherwise the tail comes from the
 prefills of the traffic's own bulk, which no cap removes without queueing that bulk, and
 nothing is trimmed. Decreases are at most one per ``cooldown_s``. Back within SLA for
@@ -80,6 +84,13 @@ class ProportionalTrim:
         self.slow = _Average(self.n, SURGE_SLOW)
         self.arrivals: tuple[float, ...] = ()
         self.iteration_s = 0.0
+        # Exponential sums from zero: iteration_s is their ratio, scaled by the weight seen so
+        # far (``_seen``) so that it ramps up over the first ~100 ticks as a plain average
+        # from zero does: a run's first ticks (one long prefill, two requests) are no
+        # evidence that the batch is too big.
+        self._busy_s = 0.0
+        self._iterations = 0.0
+        self._seen = 0.0
         self.prefill_share = 0.0
         self.limit: list[int | None] = [None] * self.n
         self.total: int | None = None
@@ -87,7 +98,8 @@ class ProportionalTrim:
         self.ok_since_s: float | None = None
 
     def observe(self, stats: DeploymentStats) -> None:
-        """Track the length mix (arrivals per bucket), iteration time and prefill share."""
+        """Track the length mix (arrivals per bucket), the mean iteration time (weighted by
+        iterations) and the prefill share."""
         arrived = [max(0.0, _finite(float(a))) for a in stats.arrived][:self.n]
         arrived += [0.0] * (self.n - len(arrived))
         self.fast.add(arrived)
@@ -98,7 +110,10 @@ class ProportionalTrim:
         busy = sum(_finite(es.busy_s) for es in stats.engines)
         iterations = sum(max(0, es.iterations) for es in stats.engines)
         if iterations > 0 and busy > 0:
-            self.iteration_s += EMA * (busy / iterations - self.iteration_s)
+            self._busy_s += EMA * (busy - self._busy_s)
+            self._iterations += EMA * (iterations - self._iterations)
+            self._seen += EMA * (1.0 - self._seen)
+            self.iteration_s = self._seen * self._busy_s / self._iterations
         prefill, decode = max(0, stats.prefill_tokens), max(0, stats.decode_tokens)
         if prefill + decode > 0:
             self.prefill_share += EMA * (prefill / (prefill + decode) - self.prefill_share)
