@@ -19,11 +19,13 @@ import pytest
 
 from rlbatch.buckets import Buckets
 from rlbatch.commands import calibrate as calibrate_command
+from rlbatch.commands.main import main
 from rlbatch.control.types import ControlAction
 from rlbatch.engine.stats import EngineStats, FinishedRequest
 from rlbatch.engine.telemetry import MemoryTelemetry
 from rlbatch.engine.tiny_model import TinyModelSpec, ensure_tiny_model
 from rlbatch.engine.vllm import LiveClock, VllmEngine, VllmEngineConfig, start_vllm_engine
+from rlbatch.engine.vllm.capability import fp8_kv_unsupported
 from rlbatch.profiles.calibrated import (
     CalibratedStepTimeModel,
     StepCoefficients,
@@ -66,6 +68,8 @@ def fp16_engine(clock: LiveClock) -> Iterator[VllmEngine]:
 
 @pytest.fixture(scope="module")
 def fp8_engine(clock: LiveClock) -> Iterator[VllmEngine]:
+    if (why := fp8_kv_unsupported()) is not None:
+        pytest.skip(why)  # test_fp8_pool_refused_at_once_where_unsupported covers this CPU
     engine = start_vllm_engine(_config(kv_cache_dtype="fp8"), engine_id=1, pool="fp8",
                                num_buckets=4, clock=clock)
     yield engine
@@ -348,23 +352,45 @@ def test_prefix_ids_hit_the_live_prefix_cache(clock: LiveClock) -> None:
         engine.close()
 
 
-def test_calibrate_command(tmp_path: Path) -> None:
+def _calibrate_args(pool: str, out: Path) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     calibrate_command.register(parser.add_subparsers())
-    out = tmp_path / "profile.json"
-    args = parser.parse_args(["calibrate", "--engine", "vllm", "--model", "tiny", "--pools",
-                              "fp8", "--max-model-len", "512", "--kv-cache-mib", "16",
+    return parser.parse_args(["calibrate", "--engine", "vllm", "--model", "tiny", "--pools",
+                              pool, "--max-model-len", "512", "--kv-cache-mib", "16",
                               "--block-size", "32", "--batches", "1,2", "--prompt-lens", "32",
                               "--output-lens", "8", "--traffic-s", "0", "--out", str(out)])
+
+
+def test_calibrate_command(tmp_path: Path) -> None:
+    # the fp8 pool where this CPU's vLLM can hold an FP8 KV cache, else the fp16 pool
+    pool = "fp8" if fp8_kv_unsupported() is None else "fp16"
+    out = tmp_path / "profile.json"
+    args = _calibrate_args(pool, out)
     assert args.func(args) == 0
     profile = load_profile(out)
-    assert list(profile.pools) == ["fp8"] and profile.pools["fp8"].kv_cache_dtype == "fp8"
-    engine = profile_sim_engine(profile, "fp8", 0, 4)
+    dtype = {"fp8": "fp8", "fp16": "auto"}[pool]
+    assert list(profile.pools) == [pool] and profile.pools[pool].kv_cache_dtype == dtype
+    engine = profile_sim_engine(profile, pool, 0, 4)
     engine.add_request(Request(0, 0.0, 32, 8), 0, 32, False)
     while not engine.is_idle():
         engine.step(math.inf)
     (rec,) = engine.snapshot().finished
     assert rec.output_tokens == 8 and rec.e2e_s > 0
+
+
+
+def test_fp8_pool_refused_at_once_where_unsupported(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # vLLM itself raises only after loading the model; rlbatch says why before any work
+    if fp8_kv_unsupported() is None:
+        pytest.skip("this CPU's vLLM holds an FP8 KV cache (test_calibrate_command uses it)")
+    out = tmp_path / "profile.json"
+    rc = main(["calibrate", "--engine", "vllm", "--model", "tiny", "--pools", "fp8",
+               "--max-model-len", "512", "--kv-cache-mib", "16", "--out", str(out)])
+    assert rc == 2 and not out.exists()
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after "starting fp8 engine"
+    assert last.startswith("rlbatch calibrate: error: cannot start an fp8 pool: ")
+    assert "AVX-512 or AMX" in last and last.endswith("(--pools fp16:N) on this machine")
 
 
 def test_tiny_model_is_deterministic(tmp_path: Path) -> None:

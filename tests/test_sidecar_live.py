@@ -26,6 +26,7 @@ import psutil
 import pytest
 
 from rlbatch.engine.vllm import VllmEngineConfig
+from rlbatch.engine.vllm.capability import fp8_kv_unsupported
 from rlbatch.sidecar.vllm_server import ApiServer, ApiServerSpec
 from tests.sidecar_live_support import (
     PROMPT_WORDS,
@@ -47,9 +48,14 @@ ENGINE = VllmEngineConfig(max_model_len=1024, max_num_seqs=32, max_num_batched_t
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     work = tmp_path_factory.mktemp("vllm")
-    started = {pool: ApiServer(ApiServerSpec.for_pool(pool, ENGINE,
-                                                      log_path=work / f"{pool}.log"),
-                               work / pool) for pool in ("fp16", "fp8")}
+    specs = {pool: ApiServerSpec.for_pool(pool, ENGINE, log_path=work / f"{pool}.log")
+             for pool in ("fp16", "fp8")}
+    if fp8_kv_unsupported() is not None:
+        # This CPU's vLLM cannot hold an FP8 KV cache (tests/test_live_engine.py checks that
+        # rlbatch refuses it): the upstream of pool fp8 runs vLLM with an FP16 KV cache. These
+        # tests need two real upstreams to route between, cap and kill, not FP8 arithmetic.
+        specs["fp8"] = ApiServerSpec.for_pool("fp16", ENGINE, log_path=work / "fp8.log")
+    started = {pool: ApiServer(spec, work / pool) for pool, spec in specs.items()}
     try:
         for server in started.values():
             server.start()

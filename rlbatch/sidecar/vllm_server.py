@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import IO
 
 from rlbatch.engine.vllm import VllmEngineConfig, kv_cache_dtype_for_pool
+from rlbatch.engine.vllm.capability import check_kv_cache_dtype
 
 SIMPLE_CHAT_TEMPLATE = (
     "{% for message in messages %}<s>{{ message['role'] }}: {{ message['content'] }}\n"
@@ -156,9 +157,14 @@ class ApiServer:
 
     def start(self) -> None:
         """Launch the process (returns at once; see :meth:`wait_ready`). Reuses the port of a
-        previous start, so a restarted server is found at the same URL."""
+        previous start, so a restarted server is found at the same URL.
+
+        :raises ValueError: an FP8 KV cache this machine's vLLM cannot hold (the server would
+            exit after loading its model).
+        """
         if self.proc is not None and self.proc.poll() is None:
             raise RuntimeError(f"server on {self.url} is already running")
+        check_kv_cache_dtype(self.spec.engine.kv_cache_dtype)
         if not self.port:
             self.port = free_port(self.spec.host)
         template: Path | None = None

@@ -21,6 +21,7 @@ import numpy as np
 
 from rlbatch.engine.telemetry import MemoryTelemetry
 from rlbatch.engine.tiny_model import TinyModelSpec, ensure_tiny_model
+from rlbatch.engine.vllm.capability import check_kv_cache_dtype
 from rlbatch.engine.vllm.clock import LiveClock
 from rlbatch.engine.vllm.config import TINY_MODEL, VllmEngineConfig, kv_cache_dtype_for_pool
 from rlbatch.engine.vllm.engine import VllmEngine
@@ -83,7 +84,10 @@ def start_vllm_engine(config: VllmEngineConfig, *, engine_id: int = 0, pool: str
     :param clock: shared wall clock (default: a new one starting now).
     :param telemetry: memory readings (default: a new :class:`MemoryTelemetry`).
     :param record_iterations: keep per-iteration records (calibration).
+    :raises ValueError: an FP8 KV cache this machine's vLLM cannot hold
+        (:func:`~rlbatch.engine.vllm.capability.check_kv_cache_dtype`).
     """
+    check_kv_cache_dtype(config.kv_cache_dtype)
     _prepare_environment(config)
     started = time.monotonic()
     model = _resolve_model(config.model, config.max_model_len)
@@ -149,10 +153,13 @@ def start_vllm_pools(pools: dict[str, int], config: VllmEngineConfig, *, num_buc
     :param num_buckets: prompt-length buckets.
     :param clock: shared wall clock (default: a new one, reset once all engines are up).
     :param record_iterations: keep per-iteration records (calibration).
+    :raises ValueError: an fp8 pool this machine's vLLM cannot hold, before any engine starts.
     """
     own_clock = clock is None
     shared = clock or LiveClock()
     telemetry = MemoryTelemetry()
+    for pool in pools:  # before any engine loads its model
+        check_kv_cache_dtype(kv_cache_dtype_for_pool(pool))
     engines: list[VllmEngine] = []
     try:
         for pool, count in pools.items():
