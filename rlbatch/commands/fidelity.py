@@ -41,6 +41,7 @@ from rlbatch.engine.vllm import (
     kv_cache_dtype_for_pool,
     start_vllm_engine,
 )
+from rlbatch.engine.vllm.capability import check_pools
 from rlbatch.profiles.calibrated import CalibratedProfile, load_profile, save_profile
 from rlbatch.tools.calibrate import calibrate
 from rlbatch.tools.calibrate_fit import StepFit, fit_step_model
@@ -273,6 +274,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--bracket needs calibrating here (no --profile)")
     if args.level_on_warmup and args.warmup < 1:
         raise ValueError("--level-on-warmup needs --warmup >= 1")
+    check_pools(args.pools)  # every pool before the first is replayed
     rows: list[dict[str, Any]] = []
     for pool in args.pools:
         pool_config = replace(config, kv_cache_dtype=kv_cache_dtype_for_pool(pool))

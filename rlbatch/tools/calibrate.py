@@ -50,6 +50,7 @@ from rlbatch.engine.vllm import (
     kv_cache_dtype_for_pool,
     start_vllm_engine,
 )
+from rlbatch.engine.vllm.capability import check_pools
 from rlbatch.profiles.calibrated import CalibratedProfile, PoolProfile
 from rlbatch.request import Request
 from rlbatch.serving.admission import AdmissionConfig
@@ -301,6 +302,8 @@ def calibrate(config: VllmEngineConfig, *, pools: Sequence[str] = ("fp16",),
                        (output_lens, "output_lens")):
         if not seq or any(v < 1 for v in seq):
             raise ValueError(f"{label} must be non-empty positive integers, got {list(seq)}")
+    # every pool that starts an engine here, before the first is calibrated
+    check_pools(p for p in pools if p not in (engines or {}))
     say: Log = log or (lambda line: None)
     results: dict[str, PoolProfile] = {}
     used: VllmEngine | None = None

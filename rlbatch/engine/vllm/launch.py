@@ -21,7 +21,7 @@ import numpy as np
 
 from rlbatch.engine.telemetry import MemoryTelemetry
 from rlbatch.engine.tiny_model import TinyModelSpec, ensure_tiny_model
-from rlbatch.engine.vllm.capability import check_kv_cache_dtype
+from rlbatch.engine.vllm.capability import check_kv_cache_dtype, check_pools
 from rlbatch.engine.vllm.clock import LiveClock
 from rlbatch.engine.vllm.config import TINY_MODEL, VllmEngineConfig, kv_cache_dtype_for_pool
 from rlbatch.engine.vllm.engine import VllmEngine
@@ -158,8 +158,7 @@ def start_vllm_pools(pools: dict[str, int], config: VllmEngineConfig, *, num_buc
     own_clock = clock is None
     shared = clock or LiveClock()
     telemetry = MemoryTelemetry()
-    for pool in pools:  # before any engine loads its model
-        check_kv_cache_dtype(kv_cache_dtype_for_pool(pool))
+    check_pools(pools)  # before any engine loads its model
     engines: list[VllmEngine] = []
     try:
         for pool, count in pools.items():

