@@ -352,20 +352,16 @@ def test_prefix_ids_hit_the_live_prefix_cache(clock: LiveClock) -> None:
         engine.close()
 
 
-def _calibrate_args(pool: str, out: Path) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    calibrate_command.register(parser.add_subparsers())
-    return parser.parse_args(["calibrate", "--engine", "vllm", "--model", "tiny", "--pools",
-                              pool, "--max-model-len", "512", "--kv-cache-mib", "16",
-                              "--block-size", "32", "--batches", "1,2", "--prompt-lens", "32",
-                              "--output-lens", "8", "--traffic-s", "0", "--out", str(out)])
-
-
 def test_calibrate_command(tmp_path: Path) -> None:
     # the fp8 pool where this CPU's vLLM can hold an FP8 KV cache, else the fp16 pool
     pool = "fp8" if fp8_kv_unsupported() is None else "fp16"
+    parser = argparse.ArgumentParser()
+    calibrate_command.register(parser.add_subparsers())
     out = tmp_path / "profile.json"
-    args = _calibrate_args(pool, out)
+    args = parser.parse_args(["calibrate", "--engine", "vllm", "--model", "tiny", "--pools",
+                              pool, "--max-model-len", "512", "--kv-cache-mib", "16",
+                              "--block-size", "32", "--batches", "1,2", "--prompt-lens", "32",
+                              "--output-lens", "8", "--traffic-s", "0", "--out", str(out)])
     assert args.func(args) == 0
     profile = load_profile(out)
     dtype = {"fp8": "fp8", "fp16": "auto"}[pool]
