@@ -17,11 +17,12 @@ POOLS = ("fp16",) * 4
 
 
 def _stats(queued: tuple[int, ...], waits: tuple[float, ...],
-           tpot_p99_s: float = 0.2) -> DeploymentStats:
+           tpot_p99_s: float = 0.2, unserved_s: float = 0.0) -> DeploymentStats:
     # TPOT P99 over the 0.1 s SLA by default: only the trims are released
     window = WindowStats(30.0, (0.0,) * 4, (0.0,) * 4, 0.0, tpot_p99_s, 0.0, (0,) * 4, (0,) * 4)
     return DeploymentStats(10.0, 1.0, (), queued, (0,) * 4, (0,) * 4, window,
-                           ControlAction((None,) * 4, POOLS), oldest_wait_s=waits)
+                           ControlAction((None,) * 4, POOLS), oldest_wait_s=waits,
+                           oldest_unserved_s=unserved_s)
 
 
 TRIMMED = ControlAction((2, 4, 8, None), POOLS, max_num_seqs=16)
@@ -67,6 +68,20 @@ def test_the_total_is_released_only_while_tpot_is_within_its_sla(
     assert release(top, _stats(queued, waits, tpot_p99_s)) is top
 
 
+@pytest.mark.parametrize(("unserved_s", "tpot_p99_s", "total"), [
+    (1.0, 0.1, 256),  # a request held inside an engine for the wait: the total goes
+    (0.99, 0.1, 16),
+    (5.0, 0.11, 16),  # TPOT over its SLA: the total stands
+])
+def test_the_total_is_released_for_a_request_held_inside_an_engine(
+        unserved_s: float, tpot_p99_s: float, total: int) -> None:
+    # every admission queue empty: only the engines' waiting queues hold anyone
+    stats = _stats((0,) * 4, (0.0,) * 4, tpot_p99_s, unserved_s=unserved_s)
+    action = ControlAction((None,) * 4, POOLS, max_num_seqs=16)
+    assert release(action, stats).max_num_seqs == total
+    assert release(TRIMMED, stats).caps == TRIMMED.caps  # trims read their own queue only
+
+
 def test_nothing_to_judge_leaves_the_action() -> None:
     assert release(TRIMMED, None) is TRIMMED
     assert release(TRIMMED, replace(_stats((1,) * 4, (9.0,) * 4, 0.0), oldest_wait_s=())) \
@@ -104,7 +119,7 @@ def test_env_releases_what_the_action_holds_exactly_when_a_queue_head_has_waited
               "action_kind": "total_share", "obs_version": 3, "load_scale": 6.0}
     action = np.array([3, 0, 0, 3, 0, 3, 0, 3, 0], dtype=np.int64)  # 16; 0-1k at 1/8
     in_force: dict[float | None, set[tuple[int | None, int | None]]] = {}
-    released = {"cap": 0, "total": 0, "held": 0}
+    released = {"cap": 0, "total": 0, "held": 0, "in_engine": 0}
     for wait_s in (None, 1.0):
         env = BatchSizeEnv(**kwargs, hold_release_s=wait_s)  # type: ignore[arg-type]
         env.reset(seed=3)
@@ -117,14 +132,16 @@ def test_env_releases_what_the_action_holds_exactly_when_a_queue_head_has_waited
             seen.add((stats.action.caps[0], stats.action.max_num_seqs))
             if wait_s is not None and previous is not None:
                 own = previous.queued[0] > 0 and previous.oldest_wait_s[0] >= wait_s
-                late = max(previous.oldest_wait_s) >= wait_s
+                late = max(previous.oldest_unserved_s, *previous.oldest_wait_s) >= wait_s
                 fast = previous.window.tpot_p99_all_s <= 0.1
                 assert stats.action.caps[0] == (None if own else 2)
                 assert stats.action.max_num_seqs == (256 if late and fast else 16)
                 released["cap"] += own
                 released["total"] += late and fast
                 released["held"] += late and not fast
+                released["in_engine"] += (late and fast
+                                          and max(previous.oldest_wait_s) < wait_s)
             previous = stats
         in_force[wait_s] = seen
     assert in_force[None] == {(2, 16)}
-    assert released["cap"] > 0 and released["total"] > 0
+    assert released["cap"] > 0 and released["total"] > 0 and released["in_engine"] > 0

@@ -168,10 +168,12 @@ def test_doomed_counted_exactly_once_in_the_tick_their_deadline_passes(
     loop = ControlLoop(_deployment(), requests, action, drain_s=60.0)
     doomed: list[tuple[int, ...]] = []
     pending: list[tuple[int, ...]] = []
+    unserved: list[tuple[float, float]] = []
     while not loop.finished:
         s = loop.tick()
         doomed.append(s.doomed)
         pending.append(s.doomed_pending)
+        unserved.append((s.time_s, s.oldest_unserved_s))
     # tick 5 ends at 2.5 s, the first tick time past the deadline (0 + 2 s); request 0 had
     # its first token at 0.01 s, requests 1 and 2 none yet: both doomed then, never again
     assert doomed[4] == (2, 0, 0)
@@ -181,6 +183,11 @@ def test_doomed_counted_exactly_once_in_the_tick_their_deadline_passes(
     assert pending[11] == pending[16] == (1, 0, 0) and pending[17] == (0, 0, 0)
     assert sorted(r.ttft_s > 2.0 for r in loop.records) == [False, True, True]
     assert loop.unfinished_by_bucket() == loop.unbooked_by_bucket() == (0, 0, 0)
+    # requests 1 and 2 (arrived at 0 s) get their first tokens from the iterations that
+    # start at 3.0 s and 6.0 s (an engine's last iteration may end after the tick time): until
+    # the tick ending 6.0 s one of them is the oldest unserved, before its deadline and after
+    assert unserved == [(t, t if t < 6.0 else 0.0) for t, _ in unserved]
+    assert unserved[-1][0] > 6.5
 
 
 def test_a_late_completion_is_not_doomed_again() -> None:

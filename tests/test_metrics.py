@@ -217,6 +217,22 @@ def test_deadlines_accepted_out_of_arrival_order_are_swept_too() -> None:
     assert tracker.doomed_open == [1, 1, 1]
 
 
+def test_oldest_unserved_reads_every_queue_and_forgets_the_served() -> None:
+    tracker = DeadlineTracker(3, ttft_s=1.0)
+    assert tracker.oldest_unserved_s(0.0) == 0.0
+    tracker.accept([(0, 1.0, 0), (1, 2.0, 1), (2, 0.5, 2)])  # 2 out of arrival order
+    tracker.update(1.2, [])
+    assert tracker.oldest_unserved_s(1.2) == pytest.approx(0.7)
+    tracker.update(1.6, [engine_stats(first_tokens=((2, 1.55),))])  # 2 late, now served
+    assert tracker.oldest_unserved_s(1.6) == pytest.approx(0.6)
+    tracker.update(2.5, [])  # 0 doomed without a first token: still the oldest
+    assert tracker.oldest_unserved_s(2.5) == pytest.approx(1.5)
+    tracker.update(2.6, [engine_stats(first_tokens=((0, 2.55),))])
+    assert tracker.oldest_unserved_s(2.6) == pytest.approx(0.6)
+    tracker.update(2.7, [engine_stats(finished=(record(1, 1, ttft=0.6),))])
+    assert tracker.oldest_unserved_s(2.7) == 0.0
+
+
 def test_sliding_window_forgets_old_completions() -> None:
     win = SlidingWindow(BUCKETS, SLA_, 10.0)
     win.add([record(0, 0, ttft=2.0, finish=1.0), record(1, 0, ttft=0.5, finish=8.0)])

@@ -33,10 +33,12 @@ from rlbatch.control.controllers import make_controller
 from rlbatch.control.guard import DEFAULT_LADDER
 from rlbatch.control.observation import observation_size
 from rlbatch.control.types import ControlAction
+from rlbatch.request import Request
 from rlbatch.sidecar import SIDECAR, Sidecar, SidecarSettings, UpstreamSpec, create_app, serve
 from rlbatch.sidecar.openai import BadRequest, completion_tokens, parse_request
 from rlbatch.sidecar.responses import take_usage
 from rlbatch.sidecar.tokens import ApproxCounter, Prompt
+from rlbatch.sidecar.upstream import HttpUpstream, Ticket
 from rlbatch.sidecar.vllm_metrics import (
     MetricsParseError,
     counter_delta,
@@ -247,6 +249,51 @@ def test_parse_vllm_metrics() -> None:
     assert counter_delta(3.0, None) == 0.0
 
 
+def test_upstream_busy_time_is_iterations_times_the_mean_inter_token_latency() -> None:
+    # vLLM exports no step time: the guard's P99 rule reads busy / iterations, which behind
+    # the sidecar is the interval's mean inter-token latency
+    upstream = HttpUpstream(0, UpstreamSpec("fp16", "http://127.0.0.1:9"), 1, {},
+                            lambda: 0.0, 64)
+
+    def scrape(iterations: float, itl_sum: float, itl_count: float) -> tuple[int, float]:
+        page = (METRICS_PAGE
+                .replace("_count{engine=\"0\",model_name=\"tiny\"} 90.0",
+                         f"_count{{engine=\"0\",model_name=\"tiny\"}} {iterations}")
+                .replace("seconds_sum{engine=\"0\",model_name=\"tiny\"} 2.0",
+                         f"seconds_sum{{engine=\"0\",model_name=\"tiny\"}} {itl_sum}")
+                .replace("seconds_count{engine=\"0\",model_name=\"tiny\"} 1000.0",
+                         f"seconds_count{{engine=\"0\",model_name=\"tiny\"}} {itl_count}"))
+        upstream.observe(parse_vllm_metrics(page))
+        es = upstream.snapshot()
+        return es.iterations, es.busy_s
+
+    assert scrape(90.0, 2.0, 1000.0) == (0, 0.0)  # the first scrape is the baseline
+    # 50 steps, 400 inter-token gaps summing 10 s: a decoding request waited 25 ms a step
+    assert scrape(140.0, 12.0, 1400.0) == (50, 50 * 0.025)
+    assert scrape(150.0, 12.0, 1400.0) == (10, 0.0)  # prefill only: no step time to read
+    assert upstream.itl_mean_s == 0.025
+
+
+def test_upstream_reports_how_long_the_engine_wide_cap_holds_its_oldest() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        tickets: dict[int, Ticket] = {}
+        upstream = HttpUpstream(0, UpstreamSpec("fp16", "http://127.0.0.1:9"), 1, tickets,
+                                lambda: 0.0, 64)
+        upstream.set_max_num_seqs(1)
+        for i, arrival in enumerate((0.0, 2.0, 1.0)):  # the last a retry from another replica
+            ticket = Ticket(Request(i, arrival, 100, 10), 0, loop.create_future())
+            tickets[i] = ticket
+            upstream.add_request(ticket.request, 0, 100, False)
+        assert upstream.oldest_waiting_s(5.0) == 4.0  # request 0 runs; 2 waits longest
+        upstream.release(tickets[2])
+        assert upstream.oldest_waiting_s(5.0) == 3.0
+        upstream.clear_max_num_seqs()
+        assert upstream.oldest_waiting_s(5.0) == 0.0
+    finally:
+        loop.close()
+
+
 def test_parse_request_and_usage() -> None:
     p = parse_request(b'{"prompt": "a b", "max_tokens": 5, "stream": true}', "completions")
     assert p.prompt.text == "a b" and p.max_tokens == 5 and p.stream and not p.wants_usage
@@ -424,6 +471,8 @@ def test_queue_full_and_queue_timeout_answer_429_and_cancel_frees_slot() -> None
                 await asyncio.sleep(0.2)
                 waiting = [asyncio.create_task(post(s, url, {"prompt": "x"})) for _ in range(2)]
                 await asyncio.sleep(0.1)
+                # the two wait at the upstream, held by the engine-wide cap: a tick sees them
+                await until(lambda: sample(sidecar, "rlbatch:oldest_unserved_seconds") > 0)
                 status, data, headers = await post(s, url, {"prompt": "x"})
                 assert status == 429 and "is full" in json.loads(data)["error"]["message"]
                 assert headers.get("Retry-After") == "1"

@@ -28,7 +28,8 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
     ("Control", "Queue wait per bucket (P99 over 1 m; oldest waiting)", "s",
      [("histogram_quantile(0.99, sum by (le, bucket) "
        "(rate(rlbatch:request_queue_time_seconds_bucket[1m])))", "P99 {{bucket}}"),
-      ("rlbatch:oldest_wait_seconds", "oldest {{bucket}}")]),
+      ("rlbatch:oldest_wait_seconds", "oldest {{bucket}}"),
+      ("rlbatch:oldest_unserved_seconds", "oldest not forwarded (any bucket)")]),
     ("Control", "Guard overrides by rule (per second)", "ops",
      [("sum by (rule) (rate(rlbatch:guard_overrides_total[5m]))", "{{rule}}")]),
     ("Control", "Decision time (P50, P99 over 5 m)", "s",

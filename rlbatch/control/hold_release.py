@@ -9,9 +9,14 @@ starves the bucket, which the must-checks forbid. So, on every tick:
 
 * **trims**: a bucket under the total whose queue head has waited ``wait_s`` gets its cap
   lifted to the total (``None``);
-* **the total**: while any queue head has waited ``wait_s`` and the all-bucket TPOT P99 of
-  the window is within the SLA (the total is not what keeps decodes fast then), the total is
-  lifted to ``max_total``.
+* **the total**: while any accepted request still without a first token has waited
+  ``wait_s`` and the all-bucket TPOT P99 of the window is within the SLA (the total is not
+  what keeps decodes fast then), the total is lifted to ``max_total``. That request may wait
+  in an admission queue or inside an engine: a bucket without a trim passes its requests
+  straight to the engines, whose waiting queues the total (vLLM's ``max_num_seqs``) holds,
+  so reading only the admission queues' heads let a total starve requests it held there
+  (DeploymentStats.oldest_unserved_s; a loop that does not track deadlines reports 0 there,
+  and the admission queues' heads stand alone).
 
 The policy's next proposal applies again once the queue heads are younger (or TPOT is over
 its SLA). Every rule of the guard applies after this (its P99 trim of long prompts when TPOT
@@ -53,7 +58,8 @@ def release_late_holds(action: ControlAction, stats: DeploymentStats | None, *,
                 and stats.oldest_wait_s[b] >= wait_s):
             caps[b] = None
             released = True
-    if (total < max_total and max(stats.oldest_wait_s) >= wait_s
+    if (total < max_total
+            and max(stats.oldest_unserved_s, *stats.oldest_wait_s) >= wait_s
             and stats.window.tpot_p99_all_s <= tpot_sla_s):
         total = max_total
         released = True

@@ -182,6 +182,11 @@ class DeploymentStats:
         later completion is not a new miss. ``()`` when the loop does not track deadlines.
     :param doomed_pending: per bucket, requests counted in ``doomed`` (this tick or before)
         that are still unfinished at the tick time. ``()`` when not tracked.
+    :param oldest_unserved_s: how long the oldest accepted request still without a first
+        token has waited, wherever it waits (admission queue, an engine's waiting queue, or
+        mid-prefill); 0 when there is none or the loop does not track deadlines. The sidecar,
+        which sees no first token of a non-streamed answer, reports the oldest request not
+        forwarded yet (an admission queue, or held at an upstream by the engine-wide cap).
     """
 
     time_s: float
@@ -196,6 +201,7 @@ class DeploymentStats:
     oldest_wait_s: tuple[float, ...] = ()
     doomed: tuple[int, ...] = ()
     doomed_pending: tuple[int, ...] = ()
+    oldest_unserved_s: float = 0.0
 
     @property
     def deadlines_tracked(self) -> bool:

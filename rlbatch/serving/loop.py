@@ -167,16 +167,18 @@ class ControlLoop:
         self.cancelled_total += sum(counters.cancelled)
         doomed: tuple[int, ...] = ()
         doomed_pending: tuple[int, ...] = ()
+        oldest_unserved_s = 0.0
         if self.deadlines is not None:
             self.deadlines.accept(admission.take_accepted())
             doomed = self.deadlines.update(t, engine_stats)
             doomed_pending = tuple(self.deadlines.doomed_open)
+            oldest_unserved_s = self.deadlines.oldest_unserved_s(t)
         return DeploymentStats(
             time_s=t, tick_s=interval, engines=engine_stats, queued=admission.queued(),
             arrived=counters.arrived, rejected=counters.rejected, window=self.window.stats(t),
             action=self.action, kv_budget_blocked=counters.kv_budget_blocked,
             oldest_wait_s=admission.oldest_wait_s(t), doomed=doomed,
-            doomed_pending=doomed_pending)
+            doomed_pending=doomed_pending, oldest_unserved_s=oldest_unserved_s)
 
     def unfinished_by_bucket(self) -> tuple[int, ...]:
         """Per bucket, requests that arrived by the last tick and neither finished nor were

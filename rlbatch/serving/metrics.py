@@ -428,7 +428,11 @@ class DeadlineTracker:
         # order), and a heap for any request accepted out of that order
         self._in_order: deque[tuple[float, int]] = deque()
         self._heap: list[tuple[float, int]] = []
-        # request id -> [bucket, arrival_s, state]; removed when the request finishes
+        # doomed by the sweep with no first token yet: what :meth:`oldest_unserved_s` reads
+        # once the sweep has dropped them; entries that since got one are dropped lazily
+        self._late: list[tuple[float, int]] = []
+        # request id -> [bucket, arrival_s, state, first token seen]; removed when the
+        # request finishes
         self._open: dict[int, list[Any]] = {}
         self.open_count = [0] * num_buckets
         """Per bucket, accepted requests not finished yet."""
@@ -442,7 +446,7 @@ class DeadlineTracker:
         """
         in_order = self._in_order
         for rid, arrival, bucket in entries:
-            self._open[rid] = [bucket, arrival, _PENDING]
+            self._open[rid] = [bucket, arrival, _PENDING, False]
             if not in_order or in_order[-1][0] <= arrival:
                 in_order.append((arrival, rid))
             else:
@@ -463,7 +467,10 @@ class DeadlineTracker:
         for es in engine_stats:
             for rid, first_s in es.first_tokens:
                 entry = opened.get(rid)
-                if entry is not None and entry[2] == _PENDING:
+                if entry is None:
+                    continue
+                entry[3] = True
+                if entry[2] == _PENDING:
                     if first_s - entry[1] <= ttft:
                         entry[2] = _SERVED
                     else:
@@ -480,16 +487,53 @@ class DeadlineTracker:
                     doomed[bucket] += 1  # finished late before any sweep saw it
         in_order = self._in_order
         while in_order and now_s - in_order[0][0] > ttft:
-            entry = opened.get(in_order.popleft()[1])
-            if entry is not None and entry[2] == _PENDING:
-                self._doom(entry, doomed)
-        heap = self._heap
-        while heap and now_s - heap[0][0] > ttft:
-            _, rid = heapq.heappop(heap)
+            arrival, rid = in_order.popleft()
             entry = opened.get(rid)
             if entry is not None and entry[2] == _PENDING:
                 self._doom(entry, doomed)
+                heapq.heappush(self._late, (arrival, rid))
+        heap = self._heap
+        while heap and now_s - heap[0][0] > ttft:
+            arrival, rid = heapq.heappop(heap)
+            entry = opened.get(rid)
+            if entry is not None and entry[2] == _PENDING:
+                self._doom(entry, doomed)
+                heapq.heappush(self._late, (arrival, rid))
         return tuple(doomed)
+
+    def oldest_unserved_s(self, now_s: float) -> float:
+        """How long the oldest accepted request still without a first token has waited,
+        wherever it waits (admission queue, an engine's waiting queue, or mid-prefill), as of
+        the last :meth:`update`; 0 when there is none.
+
+        :param now_s: the time to measure the wait to (the last update's tick time).
+        """
+        opened = self._open
+        oldest = math.inf
+        late = self._late
+        while late:
+            entry = opened.get(late[0][1])
+            if entry is not None and not entry[3]:
+                oldest = late[0][0]
+                break
+            heapq.heappop(late)
+        if oldest == math.inf:
+            in_order = self._in_order
+            while in_order:
+                entry = opened.get(in_order[0][1])
+                if entry is not None and entry[2] == _PENDING:
+                    oldest = in_order[0][0]
+                    break
+                # served or finished before its deadline: nothing left to sweep for it
+                in_order.popleft()
+            heap = self._heap
+            while heap:
+                entry = opened.get(heap[0][1])
+                if entry is not None and entry[2] == _PENDING:
+                    oldest = min(oldest, heap[0][0])
+                    break
+                heapq.heappop(heap)
+        return max(now_s - oldest, 0.0) if oldest != math.inf else 0.0
 
     def _doom(self, entry: list[Any], doomed: list[int]) -> None:
         entry[2] = _DOOMED

@@ -151,6 +151,13 @@ class SidecarControl:
         assert self.loop is not None, "tick() before start()"
         self.metrics.control_ticks.inc()
         stats = self.loop.tick(now_s)
+        if not stats.deadlines_tracked:
+            # The loop sees no first tokens here (a non-streamed answer shows none), so it
+            # tracks no deadlines; what a hold release must see is what waits unforwarded:
+            # the admission queues and what the engine-wide cap holds at each upstream.
+            held = max((u.oldest_waiting_s(now_s) for u in self.source.upstreams),
+                       default=0.0)
+            stats = replace(stats, oldest_unserved_s=max(held, *stats.oldest_wait_s, 0.0))
         decision_s = math.nan
         overrides: dict[str, int] = {}
         if failures:

@@ -21,6 +21,7 @@ name                                              type       labels
 ================================================  =========  ============================
 ``rlbatch:queue_length``                          gauge      bucket
 ``rlbatch:oldest_wait_seconds``                   gauge      bucket
+``rlbatch:oldest_unserved_seconds``               gauge
 ``rlbatch:arrivals_total``                        counter    bucket
 ``rlbatch:rejections_total``                      counter    bucket
 ``rlbatch:finished_total``                        counter

@@ -224,13 +224,20 @@ class HttpUpstream:
                                        before.iterations_total if before else None)
             itl_n = counter_delta(m.itl_count, before.itl_count if before else None)
             itl_s = counter_delta(m.itl_sum_s, before.itl_sum_s if before else None)
+            busy = 0.0
             if itl_n > 0:
                 self.itl_mean_s = itl_s / itl_n
+                # vLLM exports no step time. The interval's mean inter-token latency is the
+                # mean step a decoding request waited, so iterations x that mean is the busy
+                # time whose ratio to iterations the guard's P99 rule reads (0 without a
+                # decoded token: that rule then skips the interval rather than read it as
+                # fast steps).
+                busy = iterations * self.itl_mean_s
             kv = m.kv_cache_usage
             capacity = m.kv_capacity_tokens or 0
             blocks = m.num_gpu_blocks or 0
         else:
-            prefill = decode = preempted = iterations = 0.0
+            prefill = decode = preempted = iterations = busy = 0.0
             kv = math.nan
             capacity = blocks = 0
         self._at_snapshot = m
@@ -243,7 +250,7 @@ class HttpUpstream:
             kv_cache_usage_peak=kv, committed_tokens=self._committed,
             kv_capacity_tokens=capacity, num_kv_blocks=blocks,
             gpu_memory_used_bytes=gpu_used_bytes, gpu_memory_total_bytes=gpu_total_bytes,
-            iterations=int(iterations), busy_s=0.0, prefill_tokens=int(prefill),
+            iterations=int(iterations), busy_s=busy, prefill_tokens=int(prefill),
             decode_tokens=int(decode), preemptions=int(preempted), recomputed_tokens=0,
             kv_overflows=int(preempted), max_num_seqs=self.max_num_seqs, finished=finished)
         self._snapshot_s = now
@@ -256,6 +263,15 @@ class HttpUpstream:
     @property
     def waiting_total(self) -> int:
         return len(self._waiting)
+
+    def oldest_waiting_s(self, now_s: float) -> float:
+        """How long the oldest request held here by the engine-wide cap (not forwarded yet)
+        has waited since its arrival; 0 when none waits.
+
+        :param now_s: the sidecar clock.
+        """
+        # a retry from another replica joins the back with an older arrival: not FIFO by age
+        return max((now_s - t.request.arrival_s for t in self._waiting), default=0.0)
 
     def observe(self, metrics: VllmMetrics) -> None:
         """A scrape succeeded: keep its readings; the server is reachable.
