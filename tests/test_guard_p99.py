@@ -3,6 +3,7 @@ controller: unit behaviour, a flood of long reports into chat traffic, and a con
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -142,6 +143,27 @@ def test_proportional_trims_the_total_when_every_decode_step_is_slow() -> None:
     step_s = 0.125 * (1 - 0.99 ** 301)
     assert action.max_num_seqs == int(200 * 0.1 / step_s) == 168
     assert [o.rule for o in overrides] == ["p99"]
+
+
+def test_an_engine_that_reports_no_busy_time_adds_no_iterations_to_the_mean_step() -> None:
+    # Behind the sidecar busy time is iterations x the tick's mean inter-token latency: an
+    # upstream that decoded nothing in the tick (prefills only) reports its iterations with
+    # no busy time. Counted, its 40 iterations would halve the slow batch's mean step to
+    # 60 ms and the trim would not fire.
+    guard = _guard(**NO_P99)
+    slow = dict(running=(200, 0, 0, 0), arrived=CHAT, iterations=8, busy_s=1.0, prefill=100,
+                decode=1600, action=TOTAL_256)
+
+    def two_engines(t: int, **kwargs: float) -> DeploymentStats:
+        stats = _stats(t, **slow, **kwargs)  # type: ignore[arg-type]
+        prefilling = replace(stats.engines[0], engine_id=1, running=(0,) * 4, iterations=40,
+                             busy_s=0.0, prefill_tokens=0, decode_tokens=0)
+        return replace(stats, engines=(stats.engines[0], prefilling))
+
+    for t in range(1, 301):
+        assert guard.check(TOTAL_256, two_engines(t))[0].max_num_seqs == 256
+    action, _ = guard.check(TOTAL_256, two_engines(301, tpot_p99=0.15))
+    assert action.max_num_seqs == 168  # as with the busy engine alone
 
 
 def test_proportional_leaves_long_prefill_chunks_among_fast_decode_steps_alone() -> None:

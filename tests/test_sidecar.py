@@ -272,6 +272,8 @@ def test_upstream_busy_time_is_iterations_times_the_mean_inter_token_latency() -
     assert scrape(140.0, 12.0, 1400.0) == (50, 50 * 0.025)
     assert scrape(150.0, 12.0, 1400.0) == (10, 0.0)  # prefill only: no step time to read
     assert upstream.itl_mean_s == 0.025
+    # the server restarted: 500 gaps summing 13 s since, although the sum alone looks grown
+    assert scrape(20.0, 13.0, 500.0) == (20, 20 * (13.0 / 500.0))
 
 
 def test_upstream_reports_how_long_the_engine_wide_cap_holds_its_oldest() -> None:
@@ -463,7 +465,7 @@ def test_scrape_failure_applies_guard_fallback_caps(caplog: pytest.LogCaptureFix
 def test_queue_full_and_queue_timeout_answer_429_and_cancel_frees_slot() -> None:
     async def scenario() -> None:
         async with fakes(Faults("hang")) as (up,):
-            settings = make_settings(("fp16", up.url), max_queue_len=2, queue_timeout_s=0.5)
+            settings = make_settings(("fp16", up.url), max_queue_len=2, queue_timeout_s=1.0)
             async with running_sidecar(settings, "static:1") as (url, sidecar), \
                     aiohttp.ClientSession() as s:
                 # One runs (hangs upstream), two wait (queue bound 2), the fourth is refused.

@@ -16,7 +16,10 @@ starves the bucket, which the must-checks forbid. So, on every tick:
   straight to the engines, whose waiting queues the total (vLLM's ``max_num_seqs``) holds,
   so reading only the admission queues' heads let a total starve requests it held there
   (DeploymentStats.oldest_unserved_s; a loop that does not track deadlines reports 0 there,
-  and the admission queues' heads stand alone).
+  and the admission queues' heads stand alone). A replay counts a request mid-prefill too (it
+  has no first token yet); the sidecar, which sees no first token of a non-streamed answer,
+  counts the requests it has not forwarded (admission queues and what the total holds at each
+  upstream), so behind the sidecar a long prefill alone does not release the total.
 
 The policy's next proposal applies again once the queue heads are younger (or TPOT is over
 its SLA). Every rule of the guard applies after this (its P99 trim of long prompts when TPOT

@@ -107,8 +107,14 @@ class ProportionalTrim:
         self.arrivals = (tuple(arrived) if len(self.arrivals) != self.n else
                          tuple(e + EMA * (a - e) for e, a in zip(self.arrivals, arrived,
                                                                  strict=True)))
-        busy = sum(_finite(es.busy_s) for es in stats.engines)
-        iterations = sum(max(0, es.iterations) for es in stats.engines)
+        # an engine that reports no busy time (behind the sidecar: an interval without a
+        # decoded token, whose step time vLLM does not tell) adds no iterations either
+        busy = iterations = 0.0
+        for es in stats.engines:
+            engine_busy = _finite(es.busy_s)
+            if engine_busy > 0:
+                busy += engine_busy
+                iterations += max(0, es.iterations)
         if iterations > 0 and busy > 0:
             self._busy_s += EMA * (busy - self._busy_s)
             self._iterations += EMA * (iterations - self._iterations)

@@ -139,7 +139,8 @@ METRICS: tuple[StatMetric, ...] = (
     StatMetric("oldest_wait_seconds", "rollout", "Wait of the admission queue's head",
                "gauge", "bucket", lambda s, c: _floats(s.oldest_wait_s or (0.0,) * len(s.queued))),
     StatMetric("oldest_unserved_seconds", "rollout",
-               "Wait of the oldest request without a first token, wherever it waits",
+               "Wait of the oldest request still waiting to be served (a replay: without a "
+               "first token, wherever it waits; the sidecar: not forwarded yet)",
                "gauge", "none", lambda s, c: (s.oldest_unserved_s,)),
     StatMetric("arrivals", "rollout", "Requests that arrived at admission", "counter",
                "bucket", lambda s, c: _floats(s.arrived)),

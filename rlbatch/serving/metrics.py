@@ -504,7 +504,9 @@ class DeadlineTracker:
     def oldest_unserved_s(self, now_s: float) -> float:
         """How long the oldest accepted request still without a first token has waited,
         wherever it waits (admission queue, an engine's waiting queue, or mid-prefill), as of
-        the last :meth:`update`; 0 when there is none.
+        the last :meth:`update`; 0 when there is none. Exact when every :meth:`accept` is
+        followed by an :meth:`update` before this call (as the control loop does): a request
+        the sweep doomed is older than anything accepted before that sweep.
 
         :param now_s: the time to measure the wait to (the last update's tick time).
         """

@@ -223,15 +223,17 @@ class HttpUpstream:
             iterations = counter_delta(m.iterations_total,
                                        before.iterations_total if before else None)
             itl_n = counter_delta(m.itl_count, before.itl_count if before else None)
-            itl_s = counter_delta(m.itl_sum_s, before.itl_sum_s if before else None)
+            # the count and the sum restart together: judge the restart once, on the count
+            itl_s = (m.itl_sum_s if before is not None and m.itl_count < before.itl_count
+                     else counter_delta(m.itl_sum_s, before.itl_sum_s if before else None))
             busy = 0.0
             if itl_n > 0:
                 self.itl_mean_s = itl_s / itl_n
                 # vLLM exports no step time. The interval's mean inter-token latency is the
                 # mean step a decoding request waited, so iterations x that mean is the busy
                 # time whose ratio to iterations the guard's P99 rule reads (0 without a
-                # decoded token: that rule then skips the interval rather than read it as
-                # fast steps).
+                # decoded token: that rule then leaves this upstream's iterations out rather
+                # than read them as fast steps).
                 busy = iterations * self.itl_mean_s
             kv = m.kv_cache_usage
             capacity = m.kv_capacity_tokens or 0
