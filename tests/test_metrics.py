@@ -18,8 +18,8 @@ from rlbatch.control.stats_metrics import (
 )
 from rlbatch.control.types import SLA, DeploymentStats
 from rlbatch.engine.stats import FinishedRequest, batch_efficiency
+from rlbatch.serving.deadlines import DeadlineTracker
 from rlbatch.serving.metrics import (
-    DeadlineTracker,
     RunTotals,
     SlidingWindow,
     percentile_of_sorted,

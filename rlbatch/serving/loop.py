@@ -21,7 +21,8 @@ from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats
 from rlbatch.engine.stats import EngineStats, FinishedRequest
 from rlbatch.request import Request
 from rlbatch.serving.admission import Admission
-from rlbatch.serving.metrics import DeadlineTracker, RunTotals, SlidingWindow, summarize
+from rlbatch.serving.deadlines import DeadlineTracker
+from rlbatch.serving.metrics import RunTotals, SlidingWindow, summarize
 
 MIN_INTERVAL_S = 1e-6
 """Shortest interval a wall-clock tick reports (rates divide by it)."""
@@ -74,7 +75,7 @@ class ControlLoop:
     :param keep_records: keep every finished and rejected request for :meth:`summary`
         (``False`` for a service that runs for days: only the totals are kept).
     :param track_deadlines: count the requests that can no longer meet the TTFT SLA
-        (``DeploymentStats.doomed``; :class:`~rlbatch.serving.metrics.DeadlineTracker`).
+        (``DeploymentStats.doomed``; :class:`~rlbatch.serving.deadlines.DeadlineTracker`).
         It needs engines that report every first token and completion
         (``EngineStats.first_tokens``: the simulator, in-process vLLM engines). ``None``:
         on for a replayed stream, off otherwise (the sidecar's HTTP upstreams).
