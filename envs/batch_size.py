@@ -58,7 +58,7 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     its pool. With ``decision_ticks = k`` one step holds the action for ``k`` ticks (the
     guard still checks every tick) and returns the summed reward. With ``hold_release_s``
     set, what the action holds back is released on every tick where a queue head has waited
-    that long (a trimmed bucket's trim; the total while TPOT is within its SLA:
+    that long (a trimmed bucket's trim; the total, whatever TPOT is:
     :mod:`rlbatch.control.hold_release`), as ``ppo:PATH`` serves a policy.
 
     ## Observation space

@@ -7,9 +7,10 @@ the policy was trained with; artifacts without those fields are the first polici
 (per-bucket caps, observation version 1, a decision every tick).
 
 What a policy holds back is released once a queue head has waited half the SLA's TTFT: the
-trimmed bucket's trim, and the total while TPOT is within its SLA
-(:mod:`rlbatch.control.hold_release`; ``ppo:PATH:release=F`` for another fraction,
-``ppo:PATH:release=off`` for none).
+trimmed bucket's trim, and the total whatever TPOT is (:mod:`rlbatch.control.hold_release`;
+``ppo:PATH:release=F`` for another fraction, ``ppo:PATH:release=off`` for none,
+``ppo:PATH:release_tpot=1`` to release the total only while TPOT P99 is within its SLA, the
+rule of stops 24-26).
 """
 
 from __future__ import annotations
@@ -22,7 +23,11 @@ from policies.rules import GuardedController
 from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, Codec, make_codec
 from rlbatch.control.guard import GuardConfig
 from rlbatch.control.guard_record import guard_from_record, record_mismatch
-from rlbatch.control.hold_release import HOLD_RELEASE_FRACTION, release_late_holds
+from rlbatch.control.hold_release import (
+    HOLD_RELEASE_FRACTION,
+    RELEASE_TPOT_TOLERANCE,
+    release_late_holds,
+)
 from rlbatch.control.observation import ObservationBuilder
 from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats
 
@@ -66,16 +71,23 @@ class PpoController(GuardedController):
         this fraction of the SLA's TTFT
         (:func:`~rlbatch.control.hold_release.release_late_holds`); ``None``: the policy's
         trims and total stand however long requests wait.
+    :param release_tpot: the total is released while the window's TPOT P99 is within this
+        multiple of the SLA's TPOT (``math.inf``: whatever TPOT is).
     """
 
     def __init__(self, artifact: PolicyArtifact, name: str = "ppo",
                  guard: GuardConfig | None = None,
-                 hold_release: float | None = HOLD_RELEASE_FRACTION) -> None:
+                 hold_release: float | None = HOLD_RELEASE_FRACTION,
+                 release_tpot: float = RELEASE_TPOT_TOLERANCE) -> None:
         if hold_release is not None and not hold_release > 0:
             raise ValueError(f"hold_release must be > 0 (a fraction of the SLA's TTFT) or "
                              f"None, got {hold_release}")
+        if not release_tpot >= 1.0:
+            raise ValueError(f"release_tpot must be >= 1 (a multiple of the SLA's TPOT), "
+                             f"got {release_tpot}")
         super().__init__(name, guard or artifact_guard(artifact))
         self.hold_release = hold_release
+        self.release_tpot = release_tpot
         self.artifact = artifact
         self.guard_warnings = guard_warnings(artifact, self.guard.config)
         for line in self.guard_warnings:
@@ -129,30 +141,51 @@ class PpoController(GuardedController):
             return self._held
         sla = self.info.sla
         return release_late_holds(self._held, stats, wait_s=self.hold_release * sla.ttft_s,
-                                  tpot_sla_s=sla.tpot_s, max_total=self.guard.config.max_cap)
+                                  tpot_sla_s=sla.tpot_s, max_total=self.guard.config.max_cap,
+                                  tpot_tolerance=self.release_tpot)
 
     def guard_flags(self) -> tuple[float, ...]:
         return self.guard.flags()
 
 
-def ppo_factory(arg: str) -> PpoController:
-    """``ppo:PATH`` (a folder with policy.json + policy.safetensors, or the JSON file), or
-    ``ppo:PATH:release=F`` / ``ppo:PATH:release=off`` (the hold release's fraction of the
-    SLA's TTFT, default :data:`~rlbatch.control.hold_release.HOLD_RELEASE_FRACTION`;
-    ``off``: none)."""
-    path, sep, option = arg.rpartition(":")
-    release: float | None = HOLD_RELEASE_FRACTION
-    if sep and option.startswith("release="):
-        value = option.removeprefix("release=")
-        try:
+def _option_value(key: str, value: str, path: str) -> float | None:
+    """One ``ppo:PATH:KEY=VALUE`` option's value, checked."""
+    try:
+        if key == "release":
             release = None if value == "off" else float(value)
             if release is not None and not release > 0:
                 raise ValueError
-        except ValueError:
-            raise ValueError(f"ppo option release takes a fraction of the SLA's TTFT > 0 or "
-                             f"'off', e.g. ppo:{path}:release=0.5; got release={value}") from None
-    else:
-        path = arg
+            return release
+        tolerance = float(value)
+        if not tolerance >= 1.0:
+            raise ValueError
+        return tolerance
+    except ValueError:
+        hint = ("a fraction of the SLA's TTFT > 0 or 'off', e.g. release=0.5" if key == "release"
+                else "a multiple of the SLA's TPOT >= 1 or 'inf', e.g. release_tpot=1.5")
+        raise ValueError(f"ppo option {key} takes {hint} (ppo:{path}:{key}=...); "
+                         f"got {key}={value}") from None
+
+
+def ppo_factory(arg: str) -> PpoController:
+    """``ppo:PATH`` (a folder with policy.json + policy.safetensors, or the JSON file),
+    optionally followed by ``:release=F`` / ``:release=off`` (the hold release's fraction of
+    the SLA's TTFT, default :data:`~rlbatch.control.hold_release.HOLD_RELEASE_FRACTION`;
+    ``off``: none) and ``:release_tpot=X`` (the total is released while TPOT P99 is within X
+    times the SLA's TPOT, default
+    :data:`~rlbatch.control.hold_release.RELEASE_TPOT_TOLERANCE`; ``inf``: whatever TPOT is)."""
+    options: dict[str, float | None] = {}
+    path = arg
+    while True:
+        head, sep, option = path.rpartition(":")
+        key, eq, value = option.partition("=")
+        if not (sep and eq and key in ("release", "release_tpot")) or key in options:
+            break
+        options[key] = _option_value(key, value, head)
+        path = head
     if not path:
         raise ValueError("ppo needs an artifact path, e.g. ppo:policies/default")
-    return PpoController(load_artifact(Path(path)), name=f"ppo:{arg}", hold_release=release)
+    release = options.get("release", HOLD_RELEASE_FRACTION)
+    tolerance = options.get("release_tpot", RELEASE_TPOT_TOLERANCE)
+    return PpoController(load_artifact(Path(path)), name=f"ppo:{arg}", hold_release=release,
+                         release_tpot=RELEASE_TPOT_TOLERANCE if tolerance is None else tolerance)

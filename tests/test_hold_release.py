@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -10,7 +11,11 @@ import pytest
 from envs.batch_size import BatchSizeEnv
 from policies.ppo import PpoController, ppo_factory
 from rlbatch.control.guard import GuardConfig
-from rlbatch.control.hold_release import HOLD_RELEASE_FRACTION, release_late_holds
+from rlbatch.control.hold_release import (
+    HOLD_RELEASE_FRACTION,
+    RELEASE_TPOT_TOLERANCE,
+    release_late_holds,
+)
 from rlbatch.control.types import ControlAction, DeploymentStats, WindowStats
 
 POOLS = ("fp16",) * 4
@@ -18,7 +23,7 @@ POOLS = ("fp16",) * 4
 
 def _stats(queued: tuple[int, ...], waits: tuple[float, ...],
            tpot_p99_s: float = 0.2, unserved_s: float = 0.0) -> DeploymentStats:
-    # TPOT P99 over the 0.1 s SLA by default: only the trims are released
+    # TPOT P99 over the 0.1 s SLA by default
     window = WindowStats(30.0, (0.0,) * 4, (0.0,) * 4, 0.0, tpot_p99_s, 0.0, (0,) * 4, (0,) * 4)
     return DeploymentStats(10.0, 1.0, (), queued, (0,) * 4, (0,) * 4, window,
                            ControlAction((None,) * 4, POOLS), oldest_wait_s=waits,
@@ -29,8 +34,9 @@ TRIMMED = ControlAction((2, 4, 8, None), POOLS, max_num_seqs=16)
 
 
 def release(action: ControlAction, stats: DeploymentStats | None,
-            wait_s: float = 1.0) -> ControlAction:
-    return release_late_holds(action, stats, wait_s=wait_s, tpot_sla_s=0.1, max_total=256)
+            wait_s: float = 1.0, tolerance: float = RELEASE_TPOT_TOLERANCE) -> ControlAction:
+    return release_late_holds(action, stats, wait_s=wait_s, tpot_sla_s=0.1, max_total=256,
+                              tpot_tolerance=tolerance)
 
 
 @pytest.mark.parametrize(("queued", "waits", "caps"), [
@@ -41,7 +47,7 @@ def release(action: ControlAction, stats: DeploymentStats | None,
 ])
 def test_only_trims_of_buckets_whose_queue_head_waited_are_released(
         queued: tuple[int, ...], waits: tuple[float, ...], caps: tuple[int | None, ...]) -> None:
-    released = release(TRIMMED, _stats(queued, waits))
+    released = release(TRIMMED, _stats(queued, waits), tolerance=1.0)  # the total stands
     assert released.caps == caps
     assert released.max_num_seqs == 16 and released.pools == POOLS
 
@@ -54,32 +60,55 @@ def test_a_cap_at_the_total_or_without_a_total_is_not_a_trim() -> None:
     assert release(per_bucket, late) is per_bucket
 
 
-@pytest.mark.parametrize(("waits", "tpot_p99_s", "total"), [
-    ((0.0, 0.0, 2.0, 0.0), 0.1, 256),  # a late head, TPOT within its SLA: the total goes
-    ((0.0, 0.0, 2.0, 0.0), 0.11, 16),  # TPOT over it: the total is what keeps decodes fast
-    ((0.0, 0.5, 0.9, 0.0), 0.05, 16),  # nobody late
+@pytest.mark.parametrize(("waits", "tpot_p99_s", "tolerance", "total"), [
+    ((0.0, 0.0, 2.0, 0.0), 0.1, 1.0, 256),  # a late head, TPOT within its SLA: the total goes
+    ((0.0, 0.0, 2.0, 0.0), 0.11, 1.0, 16),  # stops 24-26: TPOT over it, the total stands
+    ((0.0, 0.0, 2.0, 0.0), 0.11, math.inf, 256),  # the default: the late head wins
+    ((0.0, 0.5, 0.9, 0.0), 0.05, math.inf, 16),  # nobody late
 ])
-def test_the_total_is_released_only_while_tpot_is_within_its_sla(
-        waits: tuple[float, ...], tpot_p99_s: float, total: int) -> None:
+def test_the_total_is_released_for_a_late_queue_head_within_the_tpot_tolerance(
+        waits: tuple[float, ...], tpot_p99_s: float, tolerance: float, total: int) -> None:
     action = ControlAction((None,) * 4, POOLS, max_num_seqs=16)
     queued = tuple(int(w > 0) for w in waits)
-    assert release(action, _stats(queued, waits, tpot_p99_s)).max_num_seqs == total
+    stats = _stats(queued, waits, tpot_p99_s)
+    assert release(action, stats, tolerance=tolerance).max_num_seqs == total
     top = ControlAction((None,) * 4, POOLS, max_num_seqs=256)
-    assert release(top, _stats(queued, waits, tpot_p99_s)) is top
+    assert release(top, stats, tolerance=tolerance) is top
 
 
-@pytest.mark.parametrize(("unserved_s", "tpot_p99_s", "total"), [
-    (1.0, 0.1, 256),  # a request held inside an engine for the wait: the total goes
-    (0.99, 0.1, 16),
-    (5.0, 0.11, 16),  # TPOT over its SLA: the total stands
+@pytest.mark.parametrize(("unserved_s", "tpot_p99_s", "tolerance", "total"), [
+    (1.0, 0.1, 1.0, 256),  # a request held inside an engine for the wait: the total goes
+    (0.99, 0.1, math.inf, 16),
+    (5.0, 0.11, 1.0, 16),  # stops 24-26: TPOT over its SLA, the total stands
+    (5.0, 0.11, math.inf, 256),
 ])
 def test_the_total_is_released_for_a_request_held_inside_an_engine(
-        unserved_s: float, tpot_p99_s: float, total: int) -> None:
+        unserved_s: float, tpot_p99_s: float, tolerance: float, total: int) -> None:
     # every admission queue empty: only the engines' waiting queues hold anyone
     stats = _stats((0,) * 4, (0.0,) * 4, tpot_p99_s, unserved_s=unserved_s)
     action = ControlAction((None,) * 4, POOLS, max_num_seqs=16)
-    assert release(action, stats).max_num_seqs == total
+    assert release(action, stats, tolerance=tolerance).max_num_seqs == total
     assert release(TRIMMED, stats).caps == TRIMMED.caps  # trims read their own queue only
+
+
+@pytest.mark.parametrize(("tolerance", "tpot_p99_s", "total"), [
+    (1.5, 0.15, 256),  # TPOT at the tolerance: the late request outweighs it
+    (1.5, 0.151, 16),
+    (math.inf, 10.0, 256),  # whatever TPOT is
+])
+def test_the_total_is_released_while_tpot_is_within_the_tolerance(
+        tolerance: float, tpot_p99_s: float, total: int) -> None:
+    stats = _stats((0,) * 4, (0.0,) * 4, tpot_p99_s, unserved_s=1.0)
+    action = ControlAction((None,) * 4, POOLS, max_num_seqs=16)
+    assert release(action, stats, tolerance=tolerance).max_num_seqs == total
+    assert release(action, stats, tolerance=1.0).max_num_seqs == 16  # within the SLA only
+
+
+@pytest.mark.parametrize("tolerance", [0.99, 0.0, float("nan")])
+def test_a_tolerance_under_one_raises(tolerance: float) -> None:
+    with pytest.raises(ValueError, match="TPOT tolerance"):
+        release_late_holds(TRIMMED, None, wait_s=1.0, tpot_sla_s=0.1, max_total=256,
+                           tpot_tolerance=tolerance)
 
 
 def test_nothing_to_judge_leaves_the_action() -> None:
@@ -103,6 +132,16 @@ def test_ppo_spec_sets_the_release() -> None:
     for bad in ("release=0", "release=-1", "release=soon"):
         with pytest.raises(ValueError, match="release takes"):
             ppo_factory(f"policies/default:{bad}")
+    assert default.release_tpot == RELEASE_TPOT_TOLERANCE
+    both = ppo_factory("policies/default:release=0.25:release_tpot=inf")
+    assert (both.hold_release, both.release_tpot) == (0.25, math.inf)
+    either_order = ppo_factory("policies/default:release_tpot=1.5:release=off")
+    assert (either_order.hold_release, either_order.release_tpot) == (None, 1.5)
+    for bad in ("release_tpot=0.9", "release_tpot=fast", "release_tpot=nan"):
+        with pytest.raises(ValueError, match="release_tpot takes"):
+            ppo_factory(f"policies/default:{bad}")
+    with pytest.raises(ValueError, match="release_tpot must be >= 1"):
+        PpoController(default.artifact, release_tpot=0.5)
     with pytest.raises(ValueError, match="hold_release must be > 0"):
         PpoController(default.artifact, hold_release=0.0)
 
@@ -111,7 +150,7 @@ def test_env_releases_what_the_action_holds_exactly_when_a_queue_head_has_waited
     # A total of 16 with the 0-1k bucket held to 1/8 of it (cap 2), the guard's rules off so
     # that the caps in force are the proposal. With the release, on exactly the ticks whose
     # previous snapshot had a queue head waiting 1 s or more, the 0-1k cap is lifted (if
-    # that head was its own) and the total goes to 256 (if TPOT was within its SLA).
+    # that head was its own) and the total goes to 256, TPOT over its SLA or not.
     unguarded = GuardConfig(ladder=(4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256),
                             warmup=False, kv_high=False, p99=False, efficiency=False,
                             kv_budget=False)
@@ -119,7 +158,7 @@ def test_env_releases_what_the_action_holds_exactly_when_a_queue_head_has_waited
               "action_kind": "total_share", "obs_version": 3, "load_scale": 6.0}
     action = np.array([3, 0, 0, 3, 0, 3, 0, 3, 0], dtype=np.int64)  # 16; 0-1k at 1/8
     in_force: dict[float | None, set[tuple[int | None, int | None]]] = {}
-    released = {"cap": 0, "total": 0, "held": 0, "in_engine": 0}
+    released = {"cap": 0, "total": 0, "slow": 0, "in_engine": 0}
     for wait_s in (None, 1.0):
         env = BatchSizeEnv(**kwargs, hold_release_s=wait_s)  # type: ignore[arg-type]
         env.reset(seed=3)
@@ -135,13 +174,13 @@ def test_env_releases_what_the_action_holds_exactly_when_a_queue_head_has_waited
                 late = max(previous.oldest_unserved_s, *previous.oldest_wait_s) >= wait_s
                 fast = previous.window.tpot_p99_all_s <= 0.1
                 assert stats.action.caps[0] == (None if own else 2)
-                assert stats.action.max_num_seqs == (256 if late and fast else 16)
+                assert stats.action.max_num_seqs == (256 if late else 16)
                 released["cap"] += own
-                released["total"] += late and fast
-                released["held"] += late and not fast
-                released["in_engine"] += (late and fast
-                                          and max(previous.oldest_wait_s) < wait_s)
+                released["total"] += late
+                released["slow"] += late and not fast  # stops 24-26 held the total here
+                released["in_engine"] += late and max(previous.oldest_wait_s) < wait_s
             previous = stats
         in_force[wait_s] = seen
     assert in_force[None] == {(2, 16)}
     assert released["cap"] > 0 and released["total"] > 0 and released["in_engine"] > 0
+    assert released["slow"] > 0
