@@ -16,6 +16,8 @@ rule of stops 24-26).
 from __future__ import annotations
 
 import logging
+import math
+import re
 from pathlib import Path
 
 from policies.artifact import ArtifactError, PolicyArtifact, load_artifact
@@ -71,7 +73,7 @@ class PpoController(GuardedController):
         this fraction of the SLA's TTFT
         (:func:`~rlbatch.control.hold_release.release_late_holds`); ``None``: the policy's
         trims and total stand however long requests wait.
-    :param release_tpot: the total is released while the window's TPOT P99 is within this
+    :param release_tpot: the total is released unless the window's TPOT P99 is over this
         multiple of the SLA's TPOT (``math.inf``: whatever TPOT is).
     """
 
@@ -79,7 +81,7 @@ class PpoController(GuardedController):
                  guard: GuardConfig | None = None,
                  hold_release: float | None = HOLD_RELEASE_FRACTION,
                  release_tpot: float = RELEASE_TPOT_TOLERANCE) -> None:
-        if hold_release is not None and not hold_release > 0:
+        if hold_release is not None and not (math.isfinite(hold_release) and hold_release > 0):
             raise ValueError(f"hold_release must be > 0 (a fraction of the SLA's TTFT) or "
                              f"None, got {hold_release}")
         if not release_tpot >= 1.0:
@@ -148,44 +150,75 @@ class PpoController(GuardedController):
         return self.guard.flags()
 
 
-def _option_value(key: str, value: str, path: str) -> float | None:
-    """One ``ppo:PATH:KEY=VALUE`` option's value, checked."""
+_OPTION = re.compile(r"[a-z_]+=")
+"""What a ``ppo:PATH:KEY=VALUE`` option looks like (a path's last part rarely does)."""
+
+
+def _option_error(key: str, value: str, arg: str) -> ValueError:
+    hint = ("a fraction of the SLA's TTFT > 0 or 'off', e.g. release=0.5" if key == "release"
+            else "a multiple of the SLA's TPOT >= 1 or 'inf', e.g. release_tpot=1.5")
+    return ValueError(f"ppo option {key} takes {hint}; got {key}={value} in ppo:{arg}")
+
+
+def _release_option(value: str, arg: str) -> float | None:
+    """``release=F`` (a finite fraction > 0) or ``release=off`` (``None``)."""
+    if value == "off":
+        return None
     try:
-        if key == "release":
-            release = None if value == "off" else float(value)
-            if release is not None and not release > 0:
-                raise ValueError
-            return release
-        tolerance = float(value)
-        if not tolerance >= 1.0:
-            raise ValueError
-        return tolerance
+        release = float(value)
     except ValueError:
-        hint = ("a fraction of the SLA's TTFT > 0 or 'off', e.g. release=0.5" if key == "release"
-                else "a multiple of the SLA's TPOT >= 1 or 'inf', e.g. release_tpot=1.5")
-        raise ValueError(f"ppo option {key} takes {hint} (ppo:{path}:{key}=...); "
-                         f"got {key}={value}") from None
+        raise _option_error("release", value, arg) from None
+    if not (math.isfinite(release) and release > 0):
+        raise _option_error("release", value, arg)
+    return release
+
+
+def _tolerance_option(value: str, arg: str) -> float:
+    """``release_tpot=X`` (>= 1, ``inf`` allowed)."""
+    try:
+        tolerance = float(value)
+    except ValueError:
+        raise _option_error("release_tpot", value, arg) from None
+    if not tolerance >= 1.0:
+        raise _option_error("release_tpot", value, arg)
+    return tolerance
 
 
 def ppo_factory(arg: str) -> PpoController:
     """``ppo:PATH`` (a folder with policy.json + policy.safetensors, or the JSON file),
-    optionally followed by ``:release=F`` / ``:release=off`` (the hold release's fraction of
-    the SLA's TTFT, default :data:`~rlbatch.control.hold_release.HOLD_RELEASE_FRACTION`;
-    ``off``: none) and ``:release_tpot=X`` (the total is released while TPOT P99 is within X
-    times the SLA's TPOT, default
-    :data:`~rlbatch.control.hold_release.RELEASE_TPOT_TOLERANCE`; ``inf``: whatever TPOT is)."""
-    options: dict[str, float | None] = {}
+    optionally followed, in any order, by ``:release=F`` / ``:release=off`` (the hold release's
+    fraction of the SLA's TTFT, default
+    :data:`~rlbatch.control.hold_release.HOLD_RELEASE_FRACTION`; ``off``: none) and
+    ``:release_tpot=X`` (the total is released unless TPOT P99 is over X times the SLA's TPOT,
+    default :data:`~rlbatch.control.hold_release.RELEASE_TPOT_TOLERANCE`; ``inf``: whatever
+    TPOT is).
+
+    :raises ValueError: an unknown option, one given twice, a bad value, ``release_tpot``
+        with ``release=off`` (it would do nothing), or no path.
+    """
+    release: float | None = HOLD_RELEASE_FRACTION
+    tolerance = RELEASE_TPOT_TOLERANCE
+    seen: set[str] = set()
     path = arg
     while True:
         head, sep, option = path.rpartition(":")
-        key, eq, value = option.partition("=")
-        if not (sep and eq and key in ("release", "release_tpot")) or key in options:
+        if not (sep and _OPTION.match(option)):
             break
-        options[key] = _option_value(key, value, head)
+        key, _, value = option.partition("=")
+        if key not in ("release", "release_tpot"):
+            raise ValueError(f"unknown ppo option {key!r} in ppo:{arg} (options: release=F or "
+                             f"release=off, release_tpot=X)")
+        if key in seen:
+            raise ValueError(f"ppo option {key} given twice in ppo:{arg}")
+        seen.add(key)
+        if key == "release":
+            release = _release_option(value, arg)
+        else:
+            tolerance = _tolerance_option(value, arg)
         path = head
     if not path:
         raise ValueError("ppo needs an artifact path, e.g. ppo:policies/default")
-    release = options.get("release", HOLD_RELEASE_FRACTION)
-    tolerance = options.get("release_tpot", RELEASE_TPOT_TOLERANCE)
+    if release is None and "release_tpot" in seen:
+        raise ValueError(f"ppo option release_tpot does nothing with release=off (ppo:{arg})")
     return PpoController(load_artifact(Path(path)), name=f"ppo:{arg}", hold_release=release,
-                         release_tpot=RELEASE_TPOT_TOLERANCE if tolerance is None else tolerance)
+                         release_tpot=tolerance)

@@ -10,13 +10,15 @@ import pytest
 
 from envs.batch_size import BatchSizeEnv
 from policies.ppo import PpoController, ppo_factory
+from rlbatch.buckets import Buckets
 from rlbatch.control.guard import GuardConfig
 from rlbatch.control.hold_release import (
     HOLD_RELEASE_FRACTION,
     RELEASE_TPOT_TOLERANCE,
     release_late_holds,
 )
-from rlbatch.control.types import ControlAction, DeploymentStats, WindowStats
+from rlbatch.control.types import SLA, ControlAction, DeploymentInfo, DeploymentStats, WindowStats
+from tests.factories import deployment_stats, engine_stats, window
 
 POOLS = ("fp16",) * 4
 
@@ -31,6 +33,10 @@ def _stats(queued: tuple[int, ...], waits: tuple[float, ...],
 
 
 TRIMMED = ControlAction((2, 4, 8, None), POOLS, max_num_seqs=16)
+INFO = DeploymentInfo(buckets=Buckets(), pools={"fp16": 1}, gpu="a100-80g", model="llama-2-7b",
+                      default_max_num_seqs=256, max_num_batched_tokens=2048,
+                      num_kv_blocks={"fp16": 2000}, block_size=16, max_model_len=4096,
+                      tick_s=1.0, sla=SLA(), capacity_rps=4.0)
 
 
 def release(action: ControlAction, stats: DeploymentStats | None,
@@ -104,6 +110,14 @@ def test_the_total_is_released_while_tpot_is_within_the_tolerance(
     assert release(action, stats, tolerance=1.0).max_num_seqs == 16  # within the SLA only
 
 
+@pytest.mark.parametrize("tolerance", [1.0, math.inf])
+def test_a_window_without_tpot_does_not_hold_the_total(tolerance: float) -> None:
+    # no decode finished in the window (a stall): nothing says the total keeps TPOT in check
+    stats = _stats((0,) * 4, (0.0,) * 4, math.nan, unserved_s=1.0)
+    action = ControlAction((None,) * 4, POOLS, max_num_seqs=16)
+    assert release(action, stats, tolerance=tolerance).max_num_seqs == 256
+
+
 @pytest.mark.parametrize("tolerance", [0.99, 0.0, float("nan")])
 def test_a_tolerance_under_one_raises(tolerance: float) -> None:
     with pytest.raises(ValueError, match="TPOT tolerance"):
@@ -135,15 +149,44 @@ def test_ppo_spec_sets_the_release() -> None:
     assert default.release_tpot == RELEASE_TPOT_TOLERANCE
     both = ppo_factory("policies/default:release=0.25:release_tpot=inf")
     assert (both.hold_release, both.release_tpot) == (0.25, math.inf)
-    either_order = ppo_factory("policies/default:release_tpot=1.5:release=off")
-    assert (either_order.hold_release, either_order.release_tpot) == (None, 1.5)
+    either_order = ppo_factory("policies/default:release_tpot=1.5:release=0.75")
+    assert (either_order.hold_release, either_order.release_tpot) == (0.75, 1.5)
     for bad in ("release_tpot=0.9", "release_tpot=fast", "release_tpot=nan"):
         with pytest.raises(ValueError, match="release_tpot takes"):
             ppo_factory(f"policies/default:{bad}")
+    with pytest.raises(ValueError, match="release takes"):
+        ppo_factory("policies/default:release=inf")  # would never release: say off
+    with pytest.raises(ValueError, match="unknown ppo option 'release_tpt'"):
+        ppo_factory("policies/default:release_tpt=2")
+    with pytest.raises(ValueError, match="release given twice"):
+        ppo_factory("policies/default:release=0.5:release=0.25")
+    with pytest.raises(ValueError, match="does nothing with release=off"):
+        ppo_factory("policies/default:release=off:release_tpot=2")
     with pytest.raises(ValueError, match="release_tpot must be >= 1"):
         PpoController(default.artifact, release_tpot=0.5)
     with pytest.raises(ValueError, match="hold_release must be > 0"):
         PpoController(default.artifact, hold_release=0.0)
+
+
+@pytest.mark.parametrize("spec", ["release_tpot=1", "release_tpot=inf"])
+def test_the_controller_releases_the_total_with_its_tolerance(
+        spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    controller = ppo_factory(f"policies/default:{spec}")
+    controller.reset(INFO)
+    nvec = controller.artifact.nvec
+    # the network's proposal pinned to the smallest total, so that only the release lifts it
+    monkeypatch.setattr(controller.artifact, "act",
+                        lambda obs: np.zeros(len(nvec), dtype=np.int64))
+    engine = engine_stats(running=(4, 0, 0, 0), waiting=(3, 0, 0, 0))
+    stats = replace(deployment_stats((engine,), n=4, win=window(4, ttft=0.5, tpot=0.11)),
+                    oldest_unserved_s=5.0)  # TPOT 10% over its SLA, a request 5 s late
+    held = controller.propose(stats)
+    smallest = controller._held
+    assert smallest is not None and smallest.max_num_seqs is not None
+    assert smallest.max_num_seqs < controller.guard.config.max_cap
+    expected = (smallest.max_num_seqs if controller.release_tpot == 1.0
+                else controller.guard.config.max_cap)
+    assert held.max_num_seqs == expected
 
 
 def test_env_releases_what_the_action_holds_exactly_when_a_queue_head_has_waited() -> None:
