@@ -12,8 +12,8 @@ starves the bucket, which the must-checks forbid. So, on every tick:
 * **the total**: while any accepted request still without a first token has waited
   ``wait_s``, the total is lifted to ``max_total``, whatever TPOT is (``tpot_tolerance``,
   :data:`RELEASE_TPOT_TOLERANCE`; with a finite tolerance, unless TPOT P99 is over it: a
-  window with no TPOT sample never holds the total). That request may wait in an admission queue or inside an
-  engine: a bucket without a trim passes its requests straight to the engines, whose waiting
+  window with no TPOT sample never holds the total). That request may wait in an admission
+  queue or inside an engine: a bucket without a trim passes its requests straight to the engines, whose waiting
   queues the total (vLLM's ``max_num_seqs``) holds, so reading only the admission queues'
   heads let a total starve requests it held there (DeploymentStats.oldest_unserved_s; a loop
   that does not track deadlines reports 0 there, and the admission queues' heads stand
