@@ -9,18 +9,18 @@ starves the bucket, which the must-checks forbid. So, on every tick:
 
 * **trims**: a bucket under the total whose queue head has waited ``wait_s`` gets its cap
   lifted to the total (``None``);
-* **the total**: while any accepted request still without a first token has waited
-  ``wait_s``, the total is lifted to ``max_total``, whatever TPOT is (``tpot_tolerance``,
+* **the total**: while any accepted request still without a first token has waited ``wait_s``,
+  the total is lifted to ``max_total``, whatever TPOT is (``tpot_tolerance``,
   :data:`RELEASE_TPOT_TOLERANCE`; with a finite tolerance, unless TPOT P99 is over it: a
   window with no TPOT sample never holds the total). That request may wait in an admission
-  queue or inside an engine: a bucket without a trim passes its requests straight to the engines, whose waiting
-  queues the total (vLLM's ``max_num_seqs``) holds, so reading only the admission queues'
-  heads let a total starve requests it held there (DeploymentStats.oldest_unserved_s; a loop
-  that does not track deadlines reports 0 there, and the admission queues' heads stand
-  alone). A replay counts a request mid-prefill too (it has no first token yet); the sidecar,
-  which sees no first token of a non-streamed answer, counts the requests it has not
-  forwarded (admission queues and what the total holds at each upstream), so behind the
-  sidecar a long prefill alone does not release the total.
+  queue or inside an engine: a bucket without a trim passes its requests straight to the
+  engines, whose waiting queues the total (vLLM's ``max_num_seqs``) holds, so reading only the
+  admission queues' heads let a total starve requests it held there
+  (DeploymentStats.oldest_unserved_s; a loop that does not track deadlines reports 0 there,
+  and the admission queues' heads stand alone). A replay counts a request mid-prefill too (it
+  has no first token yet); the sidecar, which sees no first token of a non-streamed answer,
+  counts the requests it has not forwarded (admission queues and what the total holds at each
+  upstream), so behind the sidecar a long prefill alone does not release the total.
 
   Why not only while TPOT is within its SLA (stops 24-26): a total cut while TPOT P99 is a
   little over the SLA turns the requests it holds into certain TTFT misses, for a TPOT gain
