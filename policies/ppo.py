@@ -9,8 +9,8 @@ the policy was trained with; artifacts without those fields are the first polici
 What a policy holds back is released once a queue head has waited half the SLA's TTFT: the
 trimmed bucket's trim, and the total whatever TPOT is (:mod:`rlbatch.control.hold_release`;
 ``ppo:PATH:release=F`` for another fraction, ``ppo:PATH:release=off`` for none,
-``ppo:PATH:release_tpot=1`` to release the total only while TPOT P99 is within its SLA, the
-rule of stops 24-26).
+``ppo:PATH:release_tpot=1`` to hold the total while TPOT P99 is over its SLA, the rule of
+stops 24-26).
 """
 
 from __future__ import annotations

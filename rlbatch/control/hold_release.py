@@ -49,8 +49,8 @@ of it (``ppo:PATH`` and the recipe's fine-tuning env). Set before it was measure
 
 
 RELEASE_TPOT_TOLERANCE = math.inf
-"""The total is released while the window's TPOT P99 is within this multiple of the SLA's
-TPOT: ``inf`` (stop 27), whatever it is; 1 was stops 24-26's rule (``ppo:PATH:release_tpot=1``).
+"""The total is released unless the window's TPOT P99 is over this multiple of the SLA's TPOT:
+``inf`` (stop 27), whatever it is; 1 was stops 24-26's rule (``ppo:PATH:release_tpot=1``).
 Chosen on the training traffic only (BENCHMARKS.md, issue 14, stop 27)."""
 
 
