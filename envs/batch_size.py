@@ -19,6 +19,7 @@ from rlbatch.control.observation import (
     ObservationBuilder,
     observation_size,
 )
+from rlbatch.control.queue_order import check_queue_order, in_order
 from rlbatch.control.reward import RewardConfig, compute_reward
 from rlbatch.control.types import SLA, ControlAction, DeploymentInfo, DeploymentStats
 from rlbatch.engine.config import parse_pools
@@ -129,7 +130,7 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     pools="fp16", ladder=None, guard=None, reward=None, sla=None, buckets=None,
     load_scale=1.0, window_s=30, engine="sim", max_model_len=None,
     action_kind="per_bucket", obs_version=1, decision_ticks=1, shares=SHARE_LADDER,
-    hold_release_s=None)``
+    hold_release_s=None, queue_order="fifo")``
 
     * ``scenario``: ``mixed`` (trace slices + generators), a named scenario (``day``,
       ``night``, ``bursty``, ``diurnal``), or a trace file path (random slices of it).
@@ -148,10 +149,13 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     * ``shares``: the ``total_share`` action's share ladder (``(1.0,)``: the total cap
       only).
     * ``hold_release_s``: the hold release's wait, seconds (``None``: off, the default).
+    * ``queue_order``: the order of admission's queues, ``fifo`` (the default) or
+      ``deadline`` (requests that can no longer meet their TTFT after those that can:
+      :mod:`rlbatch.control.queue_order`).
 
     ## Version history
-    * v0: initial version; observation version 3 added without a new env version (the
-      default observation is unchanged).
+    * v0: initial version; observation version 3, ``hold_release_s`` and ``queue_order``
+      added without a new env version (the defaults are unchanged).
     """
 
     metadata: dict[str, Any] = {"render_modes": []}  # noqa: RUF012 (gymnasium convention)
@@ -180,8 +184,10 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
         decision_ticks: int = 1,
         shares: tuple[float, ...] = SHARE_LADDER,
         hold_release_s: float | None = None,
+        queue_order: str = "fifo",
     ) -> None:
         super().__init__()
+        self.queue_order = check_queue_order(queue_order)
         if hold_release_s is not None and not hold_release_s > 0:
             raise ValueError(f"hold_release_s must be > 0 or None, got {hold_release_s}")
         self.hold_release_s = hold_release_s
@@ -250,6 +256,7 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
         self._info = info
         self.guard.reset(info)
         initial, _ = self.guard.check(None, None)
+        initial = in_order(initial, self.queue_order, info.sla)
         self._loop = ControlLoop(deployment, workload.requests, initial,
                                  window_s=self.window_s, drain_s=self.drain_s)
         self._builder = ObservationBuilder(info, self.guard.config.max_cap,
@@ -273,7 +280,8 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
             held = (proposed if self.hold_release_s is None else release_late_holds(
                 proposed, self._last_stats, wait_s=self.hold_release_s,
                 tpot_sla_s=self._info.sla.tpot_s, max_total=self.guard.config.max_cap))
-            safe, overrides = self.guard.check(held, self._last_stats)
+            safe, overrides = self.guard.check(
+                in_order(held, self.queue_order, self._info.sla), self._last_stats)
             self._loop.apply(safe)
             stats = self._loop.tick()
             self._last_stats = stats

@@ -11,6 +11,9 @@ trimmed bucket's trim, and the total whatever TPOT is (:mod:`rlbatch.control.hol
 ``ppo:PATH:release=F`` for another fraction, ``ppo:PATH:release=off`` for none,
 ``ppo:PATH:release_tpot=1`` to hold the total while TPOT P99 is over its SLA, the rule of
 stops 24-26).
+
+Admission's queues are FIFO; ``ppo:PATH:order=deadline`` puts a request that can no longer
+meet its TTFT after those that still can (:mod:`rlbatch.control.queue_order`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from rlbatch.control.hold_release import (
     release_late_holds,
 )
 from rlbatch.control.observation import ObservationBuilder
+from rlbatch.control.queue_order import PPO_QUEUE_ORDER, QueueOrder, check_queue_order
 from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats
 
 log = logging.getLogger(__name__)
@@ -75,19 +79,22 @@ class PpoController(GuardedController):
         trims and total stand however long requests wait.
     :param release_tpot: the total is released unless the window's TPOT P99 is over this
         multiple of the SLA's TPOT (``math.inf``: whatever TPOT is).
+    :param order: the order of admission's queues (:mod:`rlbatch.control.queue_order`;
+        default :data:`~rlbatch.control.queue_order.PPO_QUEUE_ORDER`).
     """
 
     def __init__(self, artifact: PolicyArtifact, name: str = "ppo",
                  guard: GuardConfig | None = None,
                  hold_release: float | None = HOLD_RELEASE_FRACTION,
-                 release_tpot: float = RELEASE_TPOT_TOLERANCE) -> None:
+                 release_tpot: float = RELEASE_TPOT_TOLERANCE,
+                 order: QueueOrder = PPO_QUEUE_ORDER) -> None:
         if hold_release is not None and not (math.isfinite(hold_release) and hold_release > 0):
             raise ValueError(f"hold_release must be > 0 (a fraction of the SLA's TTFT) or "
                              f"None, got {hold_release}")
         if not release_tpot >= 1.0:
             raise ValueError(f"release_tpot must be >= 1 (a multiple of the SLA's TPOT), "
                              f"got {release_tpot}")
-        super().__init__(name, guard or artifact_guard(artifact))
+        super().__init__(name, guard or artifact_guard(artifact), order)
         self.hold_release = hold_release
         self.release_tpot = release_tpot
         self.artifact = artifact
@@ -155,8 +162,9 @@ _OPTION = re.compile(r"[a-z_]+=")
 
 
 def _option_error(key: str, value: str, arg: str) -> ValueError:
-    hint = ("a fraction of the SLA's TTFT > 0 or 'off', e.g. release=0.5" if key == "release"
-            else "a multiple of the SLA's TPOT >= 1 or 'inf', e.g. release_tpot=1.5")
+    hint = {"release": "a fraction of the SLA's TTFT > 0 or 'off', e.g. release=0.5",
+            "release_tpot": "a multiple of the SLA's TPOT >= 1 or 'inf', e.g. release_tpot=1.5",
+            "order": "fifo or deadline, e.g. order=fifo"}[key]
     return ValueError(f"ppo option {key} takes {hint}; got {key}={value} in ppo:{arg}")
 
 
@@ -191,13 +199,15 @@ def ppo_factory(arg: str) -> PpoController:
     :data:`~rlbatch.control.hold_release.HOLD_RELEASE_FRACTION`; ``off``: none) and
     ``:release_tpot=X`` (the total is released unless TPOT P99 is over X times the SLA's TPOT,
     default :data:`~rlbatch.control.hold_release.RELEASE_TPOT_TOLERANCE`; ``inf``: whatever
-    TPOT is).
+    TPOT is) and ``:order=fifo`` / ``:order=deadline`` (the order of admission's queues,
+    default :data:`~rlbatch.control.queue_order.PPO_QUEUE_ORDER`).
 
     :raises ValueError: an unknown option, one given twice, a bad value, ``release_tpot``
         with ``release=off`` (it would do nothing), or no path.
     """
     release: float | None = HOLD_RELEASE_FRACTION
     tolerance = RELEASE_TPOT_TOLERANCE
+    order: QueueOrder = PPO_QUEUE_ORDER
     seen: set[str] = set()
     path = arg
     while True:
@@ -205,14 +215,19 @@ def ppo_factory(arg: str) -> PpoController:
         if not (sep and _OPTION.match(option)):
             break
         key, _, value = option.partition("=")
-        if key not in ("release", "release_tpot"):
+        if key not in ("release", "release_tpot", "order"):
             raise ValueError(f"unknown ppo option {key!r} in ppo:{arg} (options: release=F or "
-                             f"release=off, release_tpot=X)")
+                             f"release=off, release_tpot=X, order=fifo|deadline)")
         if key in seen:
             raise ValueError(f"ppo option {key} given twice in ppo:{arg}")
         seen.add(key)
         if key == "release":
             release = _release_option(value, arg)
+        elif key == "order":
+            try:
+                order = check_queue_order(value)
+            except ValueError:
+                raise _option_error("order", value, arg) from None
         else:
             tolerance = _tolerance_option(value, arg)
         path = head
@@ -221,4 +236,4 @@ def ppo_factory(arg: str) -> PpoController:
     if release is None and "release_tpot" in seen:
         raise ValueError(f"ppo option release_tpot does nothing with release=off (ppo:{arg})")
     return PpoController(load_artifact(Path(path)), name=f"ppo:{arg}", hold_release=release,
-                         release_tpot=tolerance)
+                         release_tpot=tolerance, order=order)

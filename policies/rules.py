@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from rlbatch.control.guard import Guard, GuardConfig
+from rlbatch.control.queue_order import QueueOrder, check_queue_order, in_order
 from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats, balanced_route
 
 
@@ -17,11 +18,14 @@ class GuardedController:
 
     :param name: controller name as the command line spells it.
     :param guard: the guard configuration.
+    :param order: the order of admission's queues (:mod:`rlbatch.control.queue_order`).
     """
 
-    def __init__(self, name: str, guard: GuardConfig | None = None) -> None:
+    def __init__(self, name: str, guard: GuardConfig | None = None,
+                 order: QueueOrder = "fifo") -> None:
         self.name = name
         self.guard = Guard(guard or GuardConfig())
+        self.order = check_queue_order(order)
         self.info: DeploymentInfo | None = None
 
     @property
@@ -32,11 +36,14 @@ class GuardedController:
         self.info = info
         self.guard.reset(info)
         self.on_reset(info)
-        action, _ = self.guard.check(self.propose(None), None)
+        action, _ = self.guard.check(in_order(self.propose(None), self.order, info.sla), None)
         return action
 
     def decide(self, stats: DeploymentStats) -> ControlAction:
-        action, _ = self.guard.check(self.propose(stats), stats)
+        proposed = self.propose(stats)
+        if self.info is not None:
+            proposed = in_order(proposed, self.order, self.info.sla)
+        action, _ = self.guard.check(proposed, stats)
         return action
 
     def on_reset(self, info: DeploymentInfo) -> None:
@@ -211,11 +218,12 @@ class FixedController(GuardedController):
         uncapped (a total cap alone).
     :param total: engine-wide cap (``max_num_seqs``); ``None`` keeps the engine default.
     :param guard: guard configuration.
+    :param order: the order of admission's queues.
     """
 
     def __init__(self, name: str, caps: tuple[int | None, ...] | None, total: int | None,
-                 guard: GuardConfig | None = None) -> None:
-        super().__init__(name, guard)
+                 guard: GuardConfig | None = None, order: QueueOrder = "fifo") -> None:
+        super().__init__(name, guard, order)
         self.caps = caps
         self.total = total
 
@@ -248,13 +256,15 @@ def fixed_factory(arg: str) -> FixedController:
     - ``A/B/C/D`` (or ``A,B,C,D`` where commas do not separate controllers): one cap per
       bucket, ``-`` for a bucket without cap; ``A/B/C/D@N`` adds a total cap N.
 
-    Each ``OPTION`` changes the guard: ``no<rule>`` switches a rule off (``nowarmup``,
-    ``nokv_high``, ``nop99``, ``noefficiency``, ``nokv_budget``), ``unguarded`` switches them
-    all off (sanitising stays), ``proportional`` / ``halve`` / ``no_batching`` choose the
-    P99 fallback, ``kv_budget=F`` sets the committed-KV budget's fraction of the pool,
-    ``commit=final`` / ``commit=peak`` what that budget counts (``GuardConfig.kv_commit``),
-    ``surge=R`` the surge ratio of the proportional fallback (``surge=0``: trim long buckets
-    whether or not they surge, the rule before issue 14's stop 8).
+    Each ``OPTION`` changes the guard, except ``order=``: ``no<rule>`` switches a rule off
+    (``nowarmup``, ``nokv_high``, ``nop99``, ``noefficiency``, ``nokv_budget``),
+    ``unguarded`` switches them all off (sanitising stays), ``proportional`` / ``halve`` /
+    ``no_batching`` choose the P99 fallback, ``kv_budget=F`` sets the committed-KV budget's
+    fraction of the pool, ``commit=final`` / ``commit=peak`` what that budget counts
+    (``GuardConfig.kv_commit``), ``surge=R`` the surge ratio of the proportional fallback
+    (``surge=0``: trim long buckets whether or not they surge, the rule before issue 14's
+    stop 8). ``order=deadline`` puts admission's queues in deadline order
+    (:mod:`rlbatch.control.queue_order`; default ``fifo``).
     Examples: ``fixed:64``, ``fixed:64/64/64/64``, ``fixed:64:nop99``, ``fixed:256:surge=0``,
     ``fixed:64/64/64/64:halve``, ``fixed:32/32/8/8@48``.
     """
@@ -277,6 +287,7 @@ def fixed_factory(arg: str) -> FixedController:
     if (total is not None and total < 1) or any(c is not None and c < 1 for c in caps or ()):
         raise ValueError(f"fixed caps must be >= 1, got fixed:{arg}")
     changes: dict[str, object] = {}
+    order: QueueOrder = "fifo"
     for option in options:
         if option == "unguarded":
             changes.update(dict.fromkeys(_SWITCHABLE, False))
@@ -286,6 +297,11 @@ def fixed_factory(arg: str) -> FixedController:
             changes["p99_fallback"] = option
         elif option.partition("=")[0] == "commit":
             changes["kv_commit"] = option.partition("=")[2]
+        elif option.partition("=")[0] == "order":
+            try:
+                order = check_queue_order(option.partition("=")[2])
+            except ValueError as exc:
+                raise ValueError(f"{exc} in fixed:{arg}") from None
         elif option.partition("=")[0] in _NUMERIC:
             key, _, text = option.partition("=")
             field, meaning = _NUMERIC[key]
@@ -298,6 +314,6 @@ def fixed_factory(arg: str) -> FixedController:
             raise ValueError(f"unknown fixed option {option!r} in fixed:{arg}; options: "
                              f"{', '.join('no' + r for r in _SWITCHABLE)}, unguarded, "
                              f"{', '.join(_FALLBACKS)}, kv_budget=FRACTION, surge=RATIO, "
-                             f"commit=final|peak")
+                             f"commit=final|peak, order=fifo|deadline")
     guard = GuardConfig(**changes)  # type: ignore[arg-type]
-    return FixedController(f"fixed:{arg}", caps, total, guard)
+    return FixedController(f"fixed:{arg}", caps, total, guard, order)

@@ -38,8 +38,10 @@ class _Case:
 
 
 def _case(seed: int, engines: int | None = None,
-          commit: KvCommitMode | Literal["mixed"] = "final") -> _Case:
-    """A random case; ``commit``: what the KV budgets count (``mixed``: drawn each tick)."""
+          commit: KvCommitMode | Literal["mixed"] = "final", deadline: bool = False) -> _Case:
+    """A random case; ``commit``: what the KV budgets count (``mixed``: drawn each tick);
+    ``deadline``: the queues' order drawn each tick (FIFO or deadline order, late after
+    a short or long wait)."""
     r = random.Random(seed)
     names = ["fp16", "fp8"][:r.choice([1, 2])]
     n = r.choice([2, 2, 3, 4])
@@ -74,6 +76,10 @@ def _case(seed: int, engines: int | None = None,
                              r.choice([None, 0.3, 0.5, 0.7, 0.9, 1.0]),
                              commits.choice(KV_COMMIT_MODES) if commit == "mixed" else commit)
                for _ in range(2000)]
+    if deadline:  # its own draws, so the cases above stay as they were
+        orders = random.Random(f"late_after-{seed}")
+        actions = [replace(a, late_after_s=orders.choice([None, 0.0, 0.05, 0.3, 1.0, 3.0]))
+                   for a in actions]
     return _Case(config, link, blocks, requests, pools, scales, actions,
                  r.choice([0.25, 1.0]))
 
@@ -172,3 +178,18 @@ def test_peak_figure_over_the_budget_reused_between_pure_decode_iterations_is_ri
     for seed, engines in [(333, 1), (383, 1), *((s, None) for s in range(8))]:
         _drive(_case(seed, engines, "peak"), True)
     assert reused > 0
+
+
+# Deadline order: the request the KV budget holds back changes when it turns late, with
+# nothing finishing (Deployment.run_until cuts a skipping engine there), and an on-time
+# arrival goes before a late one held back (Admission.leaves_running).
+@pytest.mark.parametrize(("seed", "engines", "commit"),
+                         [*((s, None, "final") for s in range(16)),
+                          *((s, 1, "final") for s in range(8)),
+                          *((s, 1, "mixed") for s in range(4)),
+                          *((s, None, "mixed") for s in range(4))])
+def test_deadline_order_skipping_equals_stepping(seed: int, engines: int | None,
+                                                 commit: KvCommitMode | Literal["mixed"]
+                                                 ) -> None:
+    case = _case(seed, engines, commit, deadline=True)
+    assert _drive(case, True) == _drive(case, False)

@@ -7,6 +7,7 @@ and their registry are in :mod:`rlbatch.control.controllers`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,11 @@ class ControlAction:
     :param kv_commit: what that budget compares with its limit: ``final`` (every request at
         its count while it runs) or ``peak`` (the peak of the projected KV, decoding
         requests freeing theirs as they finish; :mod:`rlbatch.engine.reserve`).
+    :param late_after_s: the order of admission's queues. ``None``: FIFO. A number (the SLA's
+        TTFT): deadline order, a queued request that has waited longer than this (it can no
+        longer meet its TTFT) is admitted after every queued request that has not; oldest
+        first within each class. Nothing is dropped. Applies to requests queued in
+        admission, not to an engine's own waiting queue.
     """
 
     caps: tuple[int | None, ...]
@@ -58,6 +64,7 @@ class ControlAction:
     max_num_seqs: int | None = None
     kv_budget_fraction: float | None = None
     kv_commit: KvCommitMode = "final"
+    late_after_s: float | None = None
 
     def __post_init__(self) -> None:
         if len(self.caps) != len(self.pools):
@@ -72,6 +79,10 @@ class ControlAction:
             raise ValueError(f"kv_budget_fraction must be in (0, 1] or None, got "
                              f"{self.kv_budget_fraction}")
         check_kv_commit(self.kv_commit)
+        if self.late_after_s is not None and not (math.isfinite(self.late_after_s)
+                                                  and self.late_after_s >= 0):
+            raise ValueError(f"late_after_s must be a finite number >= 0 or None, got "
+                             f"{self.late_after_s}")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ a tick's arrivals and rejections come from one set of counters.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Collection, Sequence
@@ -144,6 +145,16 @@ class Admission:
         self.budget_blocked = False
         """The last :meth:`admit` stopped at a request the KV budget held back (not because
         nothing was eligible)."""
+        self.late_after_s: float | None = None
+        """The action's queue order: ``None`` FIFO, else deadline order
+        (:attr:`ControlAction.late_after_s <rlbatch.control.types.ControlAction>`)."""
+        self.blocked_late = False
+        """Under deadline order, the request the KV budget held back at the last
+        :meth:`admit` was late: any on-time arrival would go before it."""
+        self.order_change_s = math.inf
+        """Under deadline order, when the request the KV budget held back at the last
+        :meth:`admit` turns late, after which another may go first without anything
+        finishing; ``inf`` otherwise."""
         self.accepted: list[tuple[int, float, int]] | None = None
         """``(request_id, arrival_s, bucket)`` of every request queued or handed to an
         engine since the previous :meth:`take_accepted`, while a list (the control loop's
@@ -165,6 +176,10 @@ class Admission:
         self.routes = action.pools
         self.kv_budget_fraction = action.kv_budget_fraction
         self.kv_commit = action.kv_commit
+        self.late_after_s = action.late_after_s
+        if action.late_after_s is None:  # only deadline order's admit sets them
+            self.order_change_s = math.inf
+            self.blocked_late = False
         if action.max_num_seqs is not None:
             for eng in self.engines:
                 eng.set_max_num_seqs(action.max_num_seqs)
@@ -258,9 +273,16 @@ class Admission:
         budget admission is FIFO across buckets: when the oldest eligible request does not
         fit, nothing younger overtakes it (no bucket starves).
 
+        Under deadline order (:attr:`late_after_s`) the candidate of each bucket is its
+        oldest request that has not waited longer than ``late_after_s``, else its oldest
+        request, and on-time candidates go before late ones across buckets (oldest first
+        within each class); the KV budget holds the chosen one back as above.
+
         :param engine: an engine of this deployment.
         :returns: the number admitted.
         """
+        if self.late_after_s is not None:
+            return self._admit_deadline(engine, self.late_after_s)
         admitted = 0
         queues = self.queues
         if not any(queues):
@@ -296,6 +318,57 @@ class Admission:
             engine.add_request(request, best, prompt, truncated)
             admitted += 1
 
+    def _admit_deadline(self, engine: Engine, late_after_s: float) -> int:
+        """:meth:`admit` under deadline order."""
+        admitted = 0
+        queues = self.queues
+        self.order_change_s = math.inf
+        self.blocked_late = False
+        if not any(queues):
+            self.budget_blocked = False
+            return 0
+        caps = self.caps
+        routes = self.routes
+        pool = engine.pool
+        budget = (None if self.kv_budget_fraction is None
+                  else self.kv_budget_fraction * engine.kv_capacity_tokens)
+        # late: arrival_s < cutoff (waited longer than late_after_s)
+        cutoff = engine.now_s - late_after_s
+        while True:
+            best = -1
+            best_index = 0
+            best_late = True
+            best_arrival = 0.0
+            for b, queue in enumerate(queues):
+                if not queue or (routes[b] != pool and routes[b] != ANY_POOL):
+                    continue
+                cap = caps[b]
+                if cap is not None and engine.num_unfinished(b) >= cap:
+                    continue
+                index = _first_on_time(queue, cutoff)
+                late = index == len(queue)
+                if late:
+                    index = 0
+                arrival = queue[index][0].arrival_s
+                if best < 0 or (late, arrival) < (best_late, best_arrival):
+                    best, best_index, best_late, best_arrival = b, index, late, arrival
+            if best < 0:
+                self.budget_blocked = False
+                return admitted
+            queue = queues[best]
+            request, prompt, truncated = queue[best_index]
+            if budget is not None:
+                need = engine.kv_tokens_to_admit(request, best, prompt)
+                if engine.kv_budget_exceeded(need, self.kv_commit, budget):
+                    self.budget_blocked_in_tick = self.budget_blocked = True
+                    self.blocked_late = best_late
+                    if not best_late:
+                        self.order_change_s = _turns_late_at(best_arrival, late_after_s)
+                    return admitted
+            del queue[best_index]
+            engine.add_request(request, best, prompt, truncated)
+            admitted += 1
+
     def leaves_running(self, request: Request, engine: Engine, engine_holds: bool) -> bool:
         """Whether ``request``, submitted at any iteration boundary from now on while the
         deployment is this one engine, nothing in it finishes, and (``engine_holds``) it admits
@@ -319,7 +392,11 @@ class Admission:
         cap = self.caps[bucket]
         if cap is None:
             return engine_holds
-        return self.budget_blocked or engine.num_unfinished(bucket) >= cap
+        if engine.num_unfinished(bucket) >= cap:
+            return True
+        # under deadline order an on-time arrival goes before a late request held back
+        return self.budget_blocked and not (self.late_after_s is not None
+                                            and self.blocked_late)
 
     def admit_pool(self, pool: str, exclude: Collection[int] = ()) -> int:
         """Admit into every engine of ``pool``, least loaded first.
@@ -407,6 +484,33 @@ class Admission:
             arrival_s=request.arrival_s, prompt_tokens=request.prompt_tokens, output_tokens=0,
             ttft_s=nan, tpot_s=nan, e2e_s=nan, finish_s=request.arrival_s, rejected=True))
         return Rejected(bucket, reason)
+
+
+def _first_on_time(queue: deque[tuple[Request, int, bool]], cutoff: float) -> int:
+    """The index of the first request of ``queue`` (in arrival order) that arrived at or
+    after ``cutoff``; ``len(queue)`` when none did."""
+    if not queue or queue[0][0].arrival_s >= cutoff:
+        return 0
+    lo, hi = 1, len(queue)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if queue[mid][0].arrival_s < cutoff:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def _turns_late_at(arrival_s: float, late_after_s: float) -> float:
+    """The first clock reading at which a request that arrived at ``arrival_s`` is late
+    (``arrival_s < now - late_after_s`` in floating point, as :meth:`Admission.admit` tests
+    it): a skipping engine stops at the first boundary from there, as stepping reorders."""
+    turn = arrival_s + late_after_s
+    while not arrival_s < turn - late_after_s:
+        turn = math.nextafter(turn, math.inf)
+    while arrival_s < math.nextafter(turn, -math.inf) - late_after_s:
+        turn = math.nextafter(turn, -math.inf)
+    return turn
 
 
 def _load(engine: Engine) -> tuple[int, int]:

@@ -221,6 +221,13 @@ class Deployment:
             bound = requests[idx].arrival_s if idx < n_req else math.inf
             if t_stop < bound:
                 bound = t_stop
+            # deadline order: the request the KV budget holds back turns late there, and
+            # another may go first without a finish
+            turn = admission.order_change_s
+            cut = (math.inf if turn == math.inf
+                   else turn if turn > now else math.nextafter(now, math.inf))
+            if cut < bound:
+                bound = cut
             if eng.is_idle():
                 eng.advance_idle(bound)
             elif id(eng) in skip_cut and admission.budget_blocked:
@@ -233,7 +240,7 @@ class Deployment:
                 # and on through boundaries where nothing is to be done here.
                 then = -math.inf if any(admission.queues) else bound
                 if holds is not None and bound < t_stop:
-                    bound = self._hold_bound(idx, t_stop, holds())
+                    bound = min(self._hold_bound(idx, t_stop, holds()), cut)
                 run_on(bound, then)
             else:
                 advance[id(eng)](bound)

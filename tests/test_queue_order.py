@@ -1,0 +1,236 @@
+"""Deadline order in admission's queues: requests that can still meet their TTFT go first."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from envs.batch_size import BatchSizeEnv
+from policies.finetune import recipe_env_kwargs
+from policies.ppo import PpoController, ppo_factory
+from policies.rules import fixed_factory
+from rlbatch.buckets import Buckets
+from rlbatch.control.controllers import make_controller
+from rlbatch.control.guard import Guard, GuardConfig
+from rlbatch.control.queue_order import PPO_QUEUE_ORDER, check_queue_order, in_order
+from rlbatch.control.types import SLA, ControlAction, DeploymentInfo
+from rlbatch.engine.base import Engine
+from rlbatch.engine.sim import SimEngine
+from rlbatch.request import Request
+from rlbatch.serving.admission import Admission, AdmissionConfig, _turns_late_at
+from rlbatch.serving.deployment import DeploymentSpec
+from rlbatch.serving.run import run
+from rlbatch.workload.base import build_workload
+from tests.factories import BUCKETS, deployment_stats, engine_stats, sim_engine, window
+
+MAX_LEN = 512
+LATE_AFTER_S = 2.0
+
+
+def _one_engine(blocks: int = 64) -> tuple[Admission, SimEngine]:
+    engine = sim_engine(0, "fp16", blocks=blocks, kv_reserve="oracle")
+    engines: list[Engine] = [engine]
+    return Admission(engines, BUCKETS, MAX_LEN, AdmissionConfig()), engine
+
+
+def _order(caps: tuple[int | None, ...], late_after_s: float | None = LATE_AFTER_S,
+           budget: float | None = None) -> ControlAction:
+    return ControlAction(caps, ("fp16",) * 3, None, budget, "final", late_after_s)
+
+
+def _admitted(adm: Admission, submitted: int) -> list[int]:
+    """The ids of the first ``submitted`` requests no longer in admission's queues."""
+    queued = {item[0].request_id for q in adm.queues for item in q}
+    return [rid for rid in range(submitted) if rid not in queued]
+
+
+# ---------------------------------------------------------------- the order
+@pytest.mark.parametrize(("late_after_s", "first"), [(None, 0), (LATE_AFTER_S, 2)])
+def test_an_on_time_request_goes_before_late_ones_of_its_bucket(
+        late_after_s: float | None, first: int) -> None:
+    adm, engine = _one_engine()
+    adm.apply(_order((1, 1, 1), late_after_s))
+    for rid, arrival in enumerate((0.0, 0.5, 3.0, 3.5)):
+        adm.submit(Request(rid, arrival, 10, 5))
+    engine.advance_idle(4.0)  # requests 0 and 1 waited over 2 s: late; 2 and 3 on time
+    assert adm.admit(engine) == 1
+    assert _admitted(adm, 4) == [first]
+
+
+def _entry_order(adm: Admission, engine: SimEngine, monkeypatch: pytest.MonkeyPatch
+                 ) -> list[int]:
+    """The ids :meth:`Admission.admit` hands ``engine``, in order."""
+    order: list[int] = []
+    original = engine.add_request
+
+    def add(request: Request, bucket: int, prompt_tokens: int, truncated: bool) -> None:
+        order.append(request.request_id)
+        original(request, bucket, prompt_tokens, truncated)
+
+    monkeypatch.setattr(engine, "add_request", add)
+    adm.admit(engine)
+    return order
+
+
+def test_on_time_requests_go_before_older_late_ones_of_other_buckets(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    adm, engine = _one_engine()
+    adm.apply(_order((8, 8, 8)))
+    adm.submit(Request(0, 0.0, 10, 5))    # bucket 0, late at 4 s
+    adm.submit(Request(1, 1.0, 200, 5))   # bucket 2, late
+    adm.submit(Request(2, 2.5, 100, 5))   # bucket 1, on time
+    adm.submit(Request(3, 3.0, 10, 5))    # bucket 0, on time
+    engine.advance_idle(4.0)
+    # on time, oldest first; then late, oldest first
+    assert _entry_order(adm, engine, monkeypatch) == [2, 3, 0, 1]
+
+
+def test_fifo_is_oldest_head_first_whatever_waited(monkeypatch: pytest.MonkeyPatch) -> None:
+    adm, engine = _one_engine()
+    adm.apply(_order((8, 8, 8), None))
+    adm.submit(Request(0, 0.0, 10, 5))
+    adm.submit(Request(1, 2.5, 100, 5))
+    engine.advance_idle(4.0)
+    assert _entry_order(adm, engine, monkeypatch) == [0, 1]
+
+
+# ---------------------------------------------------------------- the KV budget
+def test_the_budget_holds_the_on_time_request_and_says_when_it_turns_late() -> None:
+    # 67 blocks, each request ends on 17 (65 + 200 tokens): three fit, the fourth is held.
+    adm, engine = _one_engine(blocks=67)
+    adm.apply(_order((8, 8, 8), budget=1.0))
+    for rid, arrival in enumerate((0.0, 0.2, 0.4, 0.6, 2.5)):
+        adm.submit(Request(rid, arrival, 65, 200))
+    engine.advance_idle(3.0)  # 0-3 late, 4 on time
+    assert adm.admit(engine) == 3  # 4 first, then the oldest late ones
+    assert _admitted(adm, 5) == [0, 1, 4]
+    assert adm.budget_blocked and adm.blocked_late
+    assert adm.order_change_s == math.inf  # what is held stays held until something finishes
+    adm.submit(Request(5, 3.0, 65, 200))  # on time: it goes before the late request 2
+    adm.admit(engine)
+    assert adm.budget_blocked and not adm.blocked_late
+    assert adm.order_change_s == _turns_late_at(3.0, LATE_AFTER_S)
+    assert 5.0 <= adm.order_change_s <= math.nextafter(5.0, math.inf)
+    # an on-time arrival ranks behind the held on-time request: it cannot run before it
+    assert adm.leaves_running(Request(6, 3.1, 65, 200), engine, True)
+
+
+def test_an_on_time_arrival_may_go_before_a_late_request_the_budget_holds() -> None:
+    adm, engine = _one_engine(blocks=67)
+    adm.apply(_order((8, 8, 8), budget=1.0))
+    for rid in range(4):
+        adm.submit(Request(rid, 0.0, 65, 200))
+    engine.advance_idle(3.0)  # every one late
+    adm.admit(engine)
+    assert adm.budget_blocked and adm.blocked_late and adm.order_change_s == math.inf
+    assert not adm.leaves_running(Request(9, 3.0, 65, 200), engine, True)
+    adm.apply(_order((8, 8, 8), None, budget=1.0))  # FIFO: the oldest waits first
+    adm.admit(engine)
+    assert adm.leaves_running(Request(9, 3.0, 65, 200), engine, True)
+    assert not adm.blocked_late and adm.order_change_s == math.inf
+
+
+@given(arrival=st.floats(0.0, 1e6), late_after=st.floats(0.0, 1e3))
+def test_turns_late_at_is_the_first_late_reading(arrival: float, late_after: float) -> None:
+    turn = _turns_late_at(arrival, late_after)
+    assert arrival < turn - late_after
+    assert not arrival < math.nextafter(turn, -math.inf) - late_after
+
+
+@pytest.mark.parametrize("bad", [-0.1, math.nan, math.inf])
+def test_a_bad_late_after_raises(bad: float) -> None:
+    with pytest.raises(ValueError, match="late_after_s"):
+        ControlAction((None,) * 3, ("fp16",) * 3, late_after_s=bad)
+
+
+# ---------------------------------------------------------------- a whole run
+def _burst_then_stream() -> list[tuple[float, int, int, None]]:
+    # 120 requests at once, then 2/s for 60 s, which the caps serve with room to spare: FIFO
+    # serves the stream behind the burst's backlog, late; deadline order serves it on time
+    burst = [(0.001 * i, 300, 60, None) for i in range(120)]
+    stream = [(1.0 + 0.5 * i, 300, 60, None) for i in range(120)]
+    return burst + stream
+
+
+def test_deadline_order_serves_more_within_the_sla_and_loses_nothing() -> None:
+    workload = build_workload(_burst_then_stream(), name="burst", source="test")
+    spec = DeploymentSpec(num_kv_blocks=400)
+    rows = {}
+    for order in ("fifo", "deadline"):
+        result = run(workload, make_controller(f"fixed:4/4/4/4:order={order}"), spec)
+        rows[order] = result.row
+        assert result.row["completed"] == len(workload)  # nothing dropped
+    assert rows["deadline"]["goodput_rps"] > 1.5 * rows["fifo"]["goodput_rps"] > 0
+
+
+# ---------------------------------------------------------------- controllers
+INFO = DeploymentInfo(buckets=Buckets(), pools={"fp16": 1}, gpu="a100-80g", model="llama-2-7b",
+                      default_max_num_seqs=256, max_num_batched_tokens=2048,
+                      num_kv_blocks={"fp16": 2000}, block_size=16, max_model_len=4096,
+                      tick_s=1.0, sla=SLA(ttft_s=1.5), capacity_rps=4.0)
+
+
+@pytest.mark.parametrize(("spec", "late_after_s"), [
+    ("ppo:policies/default", None),
+    ("ppo:policies/default:order=deadline", 1.5),
+    ("ppo:policies/default:release=0.25:order=deadline", 1.5),
+    ("ppo:policies/default:order=fifo", None),
+    ("ppo:policies/default:release=off:order=fifo", None),
+    ("fixed:256", None),
+    ("fixed:256:order=deadline", 1.5),
+    ("fixed:64/64/8/8:nop99:order=deadline", 1.5),
+    ("playbook", None),
+])
+def test_controllers_set_the_order_through_the_guard(spec: str,
+                                                     late_after_s: float | None) -> None:
+    controller = make_controller(spec)
+    assert controller.reset(INFO).late_after_s == late_after_s
+    stats = deployment_stats((engine_stats(running=(4, 0, 0, 0), waiting=(0,) * 4),), n=4,
+                             win=window(4))
+    assert controller.decide(stats).late_after_s == late_after_s
+
+
+def test_order_options_are_checked() -> None:
+    for bad in ("order=lifo", "order="):
+        with pytest.raises(ValueError, match="order takes fifo or deadline"):
+            ppo_factory(f"policies/default:{bad}")
+        with pytest.raises(ValueError, match="queue order must be one of"):
+            fixed_factory(f"256:{bad}")
+    with pytest.raises(ValueError, match="order given twice"):
+        ppo_factory("policies/default:order=fifo:order=deadline")
+    with pytest.raises(ValueError, match="queue order must be one of"):
+        PpoController(ppo_factory("policies/default").artifact, order="lifo")  # type: ignore[arg-type]
+    assert check_queue_order("deadline") == "deadline"
+
+
+def test_the_guard_keeps_the_proposed_order() -> None:
+    guard = Guard(GuardConfig())
+    guard.reset(INFO)
+    proposed = in_order(ControlAction((8,) * 4, ("fp16",) * 4, 64), "deadline", INFO.sla)
+    assert proposed.late_after_s == 1.5
+    safe, _ = guard.check(proposed, None)
+    # a new action (the guard's KV budget added), the order as proposed
+    assert safe.kv_budget_fraction is not None and proposed.kv_budget_fraction is None
+    assert safe.late_after_s == 1.5
+    assert guard.check(in_order(proposed, "fifo", INFO.sla), None)[0].late_after_s is None
+    assert guard.check(None, None)[0].late_after_s is None
+
+
+@pytest.mark.parametrize(("order", "late_after_s"), [("fifo", None), ("deadline", 2.0)])
+def test_the_env_serves_its_queues_in_the_order_it_is_given(order: str,
+                                                            late_after_s: float | None) -> None:
+    env = BatchSizeEnv(scenario="day", episode_s=20.0, drain_s=5.0, queue_order=order)
+    env.reset(seed=0)
+    assert env._loop is not None and env._loop.action.late_after_s == late_after_s
+    env.step(env.action_space.sample())
+    assert env._last_stats is not None and env._last_stats.action.late_after_s == late_after_s
+    with pytest.raises(ValueError, match="queue order must be one of"):
+        BatchSizeEnv(queue_order="lifo")
+
+
+def test_the_recipe_fine_tunes_in_the_order_ppo_serves() -> None:
+    kwargs = recipe_env_kwargs("a100-80g", "llama-2-7b", "fp16", 600.0, 3, 5)
+    assert kwargs["queue_order"] == ppo_factory("policies/default").order == PPO_QUEUE_ORDER
