@@ -12,8 +12,10 @@ trimmed bucket's trim, and the total whatever TPOT is (:mod:`rlbatch.control.hol
 ``ppo:PATH:release_tpot=1`` to hold the total while TPOT P99 is over its SLA, the rule of
 stops 24-26).
 
-Admission's queues are FIFO; ``ppo:PATH:order=deadline`` puts a request that can no longer
-meet its TTFT after those that still can (:mod:`rlbatch.control.queue_order`).
+Admission's queues are in deadline order: a request that can no longer meet its TTFT goes
+after those that still can, and the engines are given no more requests than they run at once,
+so the waiting happens where that order applies (:mod:`rlbatch.control.queue_order`;
+``ppo:PATH:order=fifo`` for FIFO, the order of stops 1-27).
 """
 
 from __future__ import annotations

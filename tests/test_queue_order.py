@@ -97,6 +97,30 @@ def test_fifo_is_oldest_head_first_whatever_waited(monkeypatch: pytest.MonkeyPat
     assert _entry_order(adm, engine, monkeypatch) == [0, 1]
 
 
+@pytest.mark.parametrize(("late_after_s", "in_engine"), [(None, 12), (LATE_AFTER_S, 8)])
+def test_deadline_order_gives_an_engine_no_more_than_it_runs_at_once(
+        late_after_s: float | None, in_engine: int) -> None:
+    # max_num_seqs 8: under deadline order the other 4 wait in admission, in order, and stay
+    # there until a request finishes (FIFO hands the engine all 12, as the caps allow)
+    adm, engine = _one_engine(blocks=400)
+    adm.apply(_order((16, 16, 16), late_after_s))
+    for rid in range(12):
+        adm.submit(Request(rid, 0.1 * rid, 10, 5))
+    engine.advance_idle(1.2)
+    adm.admit(engine)
+    assert engine.num_unfinished_total() == in_engine
+    assert adm.num_queued() == 12 - in_engine
+    assert not adm.budget_blocked
+    if late_after_s is not None:
+        assert adm.leaves_running(Request(12, 1.2, 10, 5), engine, True)
+        assert _admitted(adm, 12) == list(range(8))
+        while engine.num_unfinished_total() == 8:
+            engine.step(1e9)
+        left = engine.num_unfinished_total()
+        adm.admit(engine)  # the freed places, and no more
+        assert engine.num_unfinished_total() == min(8, left + 4)
+
+
 # ---------------------------------------------------------------- the KV budget
 def test_the_budget_holds_the_on_time_request_and_says_when_it_turns_late() -> None:
     # 67 blocks, each request ends on 17 (65 + 200 tokens): three fit, the fourth is held.
@@ -174,7 +198,7 @@ INFO = DeploymentInfo(buckets=Buckets(), pools={"fp16": 1}, gpu="a100-80g", mode
 
 
 @pytest.mark.parametrize(("spec", "late_after_s"), [
-    ("ppo:policies/default", None),
+    ("ppo:policies/default", 1.5),
     ("ppo:policies/default:order=deadline", 1.5),
     ("ppo:policies/default:release=0.25:order=deadline", 1.5),
     ("ppo:policies/default:order=fifo", None),

@@ -54,9 +54,10 @@ class ControlAction:
         requests freeing theirs as they finish; :mod:`rlbatch.engine.reserve`).
     :param late_after_s: the order of admission's queues. ``None``: FIFO. A number (the SLA's
         TTFT): deadline order, a queued request that has waited longer than this (it can no
-        longer meet its TTFT) is admitted after every queued request that has not; oldest
-        first within each class. Nothing is dropped. Applies to requests queued in
-        admission, not to an engine's own waiting queue.
+        longer meet its TTFT) is admitted after every queued request that has not, oldest
+        first within each class, and an engine is given no more requests than it runs at
+        once (``max_num_seqs``), so that the waiting happens in admission's queues, where
+        the order applies. Nothing is dropped. Buckets without a cap bypass the queues.
     """
 
     caps: tuple[int | None, ...]

@@ -276,7 +276,9 @@ class Admission:
         Under deadline order (:attr:`late_after_s`) the candidate of each bucket is its
         oldest request that has not waited longer than ``late_after_s``, else its oldest
         request, and on-time candidates go before late ones across buckets (oldest first
-        within each class); the KV budget holds the chosen one back as above.
+        within each class); the KV budget holds the chosen one back as above. The engine
+        is then given no more requests than it runs at once (its ``max_num_seqs``): the
+        rest wait here, where the order applies, not in the engine's own FIFO queue.
 
         :param engine: an engine of this deployment.
         :returns: the number admitted.
@@ -335,6 +337,10 @@ class Admission:
         # late: arrival_s < cutoff (waited longer than late_after_s)
         cutoff = engine.now_s - late_after_s
         while True:
+            if engine.num_unfinished_total() >= engine.max_num_seqs:
+                # no more than the engine runs at once: the rest wait here, in this order
+                self.budget_blocked = False
+                return admitted
             best = -1
             best_index = 0
             best_late = True
@@ -394,9 +400,13 @@ class Admission:
             return engine_holds
         if engine.num_unfinished(bucket) >= cap:
             return True
-        # under deadline order an on-time arrival goes before a late request held back
-        return self.budget_blocked and not (self.late_after_s is not None
-                                            and self.blocked_late)
+        if self.late_after_s is None:
+            return self.budget_blocked
+        # deadline order: a full engine stays full until something finishes; an on-time
+        # arrival goes before a late request the budget holds back
+        if engine.num_unfinished_total() >= engine.max_num_seqs:
+            return True
+        return self.budget_blocked and not self.blocked_late
 
     def admit_pool(self, pool: str, exclude: Collection[int] = ()) -> int:
         """Admit into every engine of ``pool``, least loaded first.
