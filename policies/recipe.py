@@ -45,6 +45,7 @@ from rlbatch.control.controllers import make_controller
 from rlbatch.control.guard import GuardConfig
 from rlbatch.control.guard_record import guard_record
 from rlbatch.control.observation import OBS_VERSIONS, feature_names, observation_size
+from rlbatch.control.queue_order import PPO_QUEUE_ORDER
 from rlbatch.engine.config import parse_pools
 from rlbatch.paths import default_training_traces
 from rlbatch.profiles.specs import load_gpu, load_model
@@ -262,8 +263,9 @@ def _episode_task(item: tuple[int, RecipeConfig, str | None, int], workload: Wor
     # One teacher / DAgger episode on a Ray worker: a fresh labeller (the teacher resets
     # fully every run, so this equals the one labeller the serial loop reuses).
     _, cfg, student, deployment = item
+    # the student acts as it is served (its queue order); the teacher labels the caps
     actor = None if student is None else PpoController(load_artifact(Path(student)),
-                                                       name="student")
+                                                       name="student", order=PPO_QUEUE_ORDER)
     return collect(make_labeller(cfg, cfg.student_codec(), actor), [workload],
                    cfg.spec(deployment))
 
@@ -345,8 +347,9 @@ class Recipe:
         :raises RuntimeError: an episode failed twice on Ray (training needs every one).
         """
         if self.ray is None:
-            actor = (None if student is None
-                     else PpoController(load_artifact(student), name="student"))
+            actor = (None if student is None  # as served, as in _episode_task
+                     else PpoController(load_artifact(student), name="student",
+                                        order=PPO_QUEUE_ORDER))
             labeller = self.labeller(actor)
             parts = [collect(labeller, [w], self.specs[d]) for d, w in episodes]
             return (Demonstrations.concat([demos for demos, _ in parts]),

@@ -26,6 +26,7 @@ from rlbatch import __version__
 from rlbatch.control.controllers import make_controller
 from rlbatch.control.guard_record import guard_record
 from rlbatch.control.observation import feature_names
+from rlbatch.control.queue_order import PPO_QUEUE_ORDER
 from rlbatch.control.stats_metrics import MetricContext, tensorboard_scalars
 from rlbatch.control.types import DeploymentStats
 from rlbatch.engine.config import parse_pools
@@ -96,8 +97,10 @@ class TrainConfig:
         parse_pools(self.pools)
 
     def env_kwargs(self) -> dict[str, Any]:
+        # the queue order the checkpoints are evaluated and served in (ppo:PATH's default)
         return {"scenario": self.scenario, "traces": self.traces, "gpu": self.gpu,
-                "model": self.model, "pools": self.pools, "episode_s": self.episode_s}
+                "model": self.model, "pools": self.pools, "episode_s": self.episode_s,
+                "queue_order": PPO_QUEUE_ORDER}
 
 
 def _make_env(kwargs: dict[str, Any]) -> Callable[[], gym.Env[Any, Any]]:
@@ -267,7 +270,8 @@ class TrainingCallbacks:
                 rows: dict[str, dict[str, Any]] = {}
                 ticks: list[DeploymentStats] = []
                 for i, (name, workload) in enumerate(workloads):
-                    controller = PpoController(load_artifact(path), name="ppo")
+                    controller = PpoController(load_artifact(path), name="ppo",
+                                               order=PPO_QUEUE_ORDER)  # as served
                     row = run(workload, controller, spec, drain_s=120,
                               on_tick=ticks.append if i == len(workloads) - 1 else None).row
                     rows[name] = row

@@ -20,9 +20,16 @@ from rlbatch.control.types import SLA, ControlAction, DeploymentInfo
 from rlbatch.engine.base import Engine
 from rlbatch.engine.sim import SimEngine
 from rlbatch.request import Request
-from rlbatch.serving.admission import Admission, AdmissionConfig, _turns_late_at
+from rlbatch.serving.admission import (
+    Admission,
+    AdmissionConfig,
+    Admitted,
+    Queued,
+    _turns_late_at,
+)
 from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.serving.run import run
+from rlbatch.sidecar.control_tick import describe_action
 from rlbatch.workload.base import build_workload
 from tests.factories import BUCKETS, deployment_stats, engine_stats, sim_engine, window
 
@@ -119,6 +126,53 @@ def test_deadline_order_gives_an_engine_no_more_than_it_runs_at_once(
         left = engine.num_unfinished_total()
         adm.admit(engine)  # the freed places, and no more
         assert engine.num_unfinished_total() == min(8, left + 4)
+
+
+@pytest.mark.parametrize(("late_after_s", "outcome"),
+                         [(None, Admitted(1, 0)), (LATE_AFTER_S, Queued(1))])
+def test_under_deadline_order_uncapped_buckets_queue_and_the_engine_limit_holds(
+        late_after_s: float | None, outcome: Admitted | Queued) -> None:
+    # an uncapped bucket goes straight into the engine in FIFO; under deadline order it
+    # waits in its queue like the others, so that a capped bucket's request is not held
+    # behind it forever and the engine gets no more than its max_num_seqs (4)
+    engine = sim_engine(0, "fp16", blocks=400, max_num_seqs=4)
+    adm = Admission([engine], BUCKETS, MAX_LEN, AdmissionConfig())
+    adm.apply(_order((8, None, None), late_after_s))
+    assert adm.submit(Request(0, 0.0, 100, 5)) == outcome
+    if late_after_s is None:
+        return
+    for rid in range(1, 6):
+        adm.submit(Request(rid, 0.1 * rid, 100, 5))
+    adm.submit(Request(6, 0.65, 10, 5))  # the capped bucket, after 0-5 and before 7
+    adm.submit(Request(7, 0.7, 100, 5))
+    engine.advance_idle(1.0)
+    adm.admit(engine)
+    assert engine.num_unfinished_total() == 4 and _admitted(adm, 8) == [0, 1, 2, 3]
+    entered = []
+    while adm.num_queued():
+        engine.step(1e9)
+        queued = {item[0].request_id for q in adm.queues for item in q}
+        adm.admit(engine)
+        entered += sorted(queued - {item[0].request_id for q in adm.queues for item in q})
+        assert engine.num_unfinished_total() <= 4
+    assert entered == [4, 5, 6, 7]  # in arrival order, across the two buckets
+
+
+def test_a_request_submitted_late_is_queued_in_arrival_order() -> None:
+    # the sidecar sizes a prompt before submitting it, so submissions can be out of order
+    adm, _ = _one_engine()
+    adm.apply(_order((1, 1, 1)))
+    for rid, arrival in ((0, 1.0), (1, 3.0), (2, 0.5), (3, 2.0)):
+        assert adm.submit(Request(rid, arrival, 10, 5)) == Queued(0)
+    assert [item[0].request_id for item in adm.queues[0]] == [2, 0, 3, 1]
+
+
+def test_an_sla_without_a_ttft_limit_has_no_late_requests() -> None:
+    action = ControlAction((8,) * 3, ("fp16",) * 3)
+    assert in_order(action, "deadline", SLA(ttft_s=math.inf)).late_after_s is None
+    assert in_order(action, "deadline", SLA(ttft_s=3.0)).late_after_s == 3.0
+    described = describe_action(in_order(action, "deadline", SLA()), ("a", "b", "c"))
+    assert described == "a=8@fp16 b=8@fp16 c=8@fp16 order=deadline"
 
 
 # ---------------------------------------------------------------- the KV budget

@@ -7,12 +7,17 @@ oldest first within each class, and an engine is given no more requests than it 
 rather than in the engine's own FIFO queue (:attr:`ControlAction.late_after_s
 <rlbatch.control.types.ControlAction>`). Under overload FIFO serves every request late;
 deadline order serves the ones that can still make it first and the late ones when there is
-room. Nothing is dropped: a late request waits longer, and a client's timeout or the
-sidecar's queue timeout still bounds how long.
+room. The order drops nothing: a late request waits longer, and a client's timeout or the
+sidecar's queue timeout still bounds how long. What an engine's own queue held before waits
+in admission's now, so a queue bound (``--max-queue-len``) counts it. Under sustained overload
+a late request is always queued, so the hold release (:mod:`rlbatch.control.hold_release`),
+which reads the oldest request without a first token, keeps a policy's total at the top of
+its ladder there.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Literal, get_args
 
@@ -46,7 +51,8 @@ def in_order(action: ControlAction, order: QueueOrder, sla: SLA) -> ControlActio
     :param order: the order.
     :param sla: the deployment's SLA.
     """
-    late_after_s = sla.ttft_s if order == "deadline" else None
+    # an SLA without a TTFT limit has no late requests: FIFO
+    late_after_s = sla.ttft_s if order == "deadline" and math.isfinite(sla.ttft_s) else None
     if action.late_after_s == late_after_s:
         return action
     return replace(action, late_after_s=late_after_s)

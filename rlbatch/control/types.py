@@ -57,7 +57,9 @@ class ControlAction:
         longer meet its TTFT) is admitted after every queued request that has not, oldest
         first within each class, and an engine is given no more requests than it runs at
         once (``max_num_seqs``), so that the waiting happens in admission's queues, where
-        the order applies. Nothing is dropped. Buckets without a cap bypass the queues.
+        the order applies; buckets without a cap queue too. The order drops nothing (a
+        queue bound or a queue timeout refuses as in FIFO, and now counts the requests an
+        engine's own queue would have held).
     """
 
     caps: tuple[int | None, ...]

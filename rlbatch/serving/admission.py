@@ -1,10 +1,14 @@
-"""Admission control: per-bucket FIFO queues, caps, queue bounds and pool routing.
+"""Admission control: per-bucket queues, caps, queue bounds and pool routing.
 
-A request waits in its bucket's queue until an engine of the bucket's pool holds fewer of
-that bucket's requests than the bucket's cap; admission runs at every engine iteration (as
-vLLM's scheduler admits at every step), so a finished request frees its slot at once.
-Buckets without a cap (``None``) pass straight through to the least-loaded engine's own FIFO
-queue; their queue bound counts the bucket's requests waiting inside the pool's engines.
+A request waits in its bucket's queue (kept in arrival order) until an engine of the bucket's
+pool holds fewer of that bucket's requests than the bucket's cap; admission runs at every
+engine iteration (as vLLM's scheduler admits at every step), so a finished request frees its
+slot at once. Queues are served oldest first, or in deadline order when the action asks
+(:attr:`ControlAction.late_after_s <rlbatch.control.types.ControlAction>`). Buckets without a
+cap (``None``) pass straight through to the least-loaded engine's own FIFO queue (under
+deadline order they wait in their queue too, so that the order and the engines' limit apply
+to every request); their queue bound counts the bucket's requests waiting inside the pool's
+engines.
 
 Every arrival and every refusal is counted here, including refusals decided by the caller
 (:meth:`Admission.refuse`: the sidecar refuses when no upstream of the pool is reachable), so
@@ -202,7 +206,8 @@ class Admission:
 
     def submit(self, request: Request) -> Outcome:
         """A request arrives: bucket it, apply the length policy and the queue bound, then
-        queue it (capped bucket) or hand it to the least-loaded engine of its pool.
+        queue it (a capped bucket, or any under deadline order) or hand it to the
+        least-loaded engine of its pool.
 
         :param request: the arrival.
         :returns: :class:`Queued`, :class:`Admitted` or :class:`Rejected` (counted and
@@ -218,7 +223,7 @@ class Admission:
                 return self._reject(request, bucket, "too_long")
             prompt, truncated = room, True
         bound = self.config.max_queue_len
-        if self.caps[bucket] is None:
+        if self.caps[bucket] is None and self.late_after_s is None:
             pool = self.routes[bucket]
             engines = self.engines if pool == ANY_POOL else self.pools[pool]  # engines_of
             if bound is not None and sum(e.num_waiting(bucket) for e in engines) >= bound:
@@ -235,7 +240,13 @@ class Admission:
         queue = self.queues[bucket]
         if bound is not None and len(queue) >= bound:
             return self._reject(request, bucket, "queue_full")
-        queue.append((request, prompt, truncated))
+        if queue and queue[-1][0].arrival_s > request.arrival_s:
+            # the sidecar may submit out of arrival order (it sizes a prompt first); the
+            # queues stay in arrival order, which admission's order tests rely on
+            queue.insert(bisect_right(queue, request.arrival_s, key=_arrival_s),
+                         (request, prompt, truncated))
+        else:
+            queue.append((request, prompt, truncated))
         if self.accepted is not None:
             self.accepted.append((request.request_id, request.arrival_s, bucket))
         return Queued(bucket)
@@ -283,8 +294,11 @@ class Admission:
         :param engine: an engine of this deployment.
         :returns: the number admitted.
         """
-        if self.late_after_s is not None:
-            return self._admit_deadline(engine, self.late_after_s)
+        late_after_s = self.late_after_s
+        deadline = late_after_s is not None
+        if deadline:
+            self.order_change_s = math.inf
+            self.blocked_late = False
         admitted = 0
         queues = self.queues
         if not any(queues):
@@ -295,55 +309,16 @@ class Admission:
         pool = engine.pool
         budget = (None if self.kv_budget_fraction is None
                   else self.kv_budget_fraction * engine.kv_capacity_tokens)
+        # late: arrival_s < cutoff, waited longer than late_after_s (FIFO: none is late)
+        cutoff = -math.inf if late_after_s is None else engine.now_s - late_after_s
         while True:
-            best = -1
-            best_arrival = 0.0
-            for b, queue in enumerate(queues):
-                if not queue or (routes[b] != pool and routes[b] != ANY_POOL):
-                    continue
-                cap = caps[b]
-                if cap is not None and engine.num_unfinished(b) >= cap:
-                    continue
-                arrival = queue[0][0].arrival_s
-                if best < 0 or arrival < best_arrival:
-                    best, best_arrival = b, arrival
-            if best < 0:
-                self.budget_blocked = False
-                return admitted
-            request, prompt, truncated = queues[best][0]
-            if budget is not None:
-                need = engine.kv_tokens_to_admit(request, best, prompt)
-                if engine.kv_budget_exceeded(need, self.kv_commit, budget):
-                    self.budget_blocked_in_tick = self.budget_blocked = True
-                    return admitted
-            queues[best].popleft()
-            engine.add_request(request, best, prompt, truncated)
-            admitted += 1
-
-    def _admit_deadline(self, engine: Engine, late_after_s: float) -> int:
-        """:meth:`admit` under deadline order."""
-        admitted = 0
-        queues = self.queues
-        self.order_change_s = math.inf
-        self.blocked_late = False
-        if not any(queues):
-            self.budget_blocked = False
-            return 0
-        caps = self.caps
-        routes = self.routes
-        pool = engine.pool
-        budget = (None if self.kv_budget_fraction is None
-                  else self.kv_budget_fraction * engine.kv_capacity_tokens)
-        # late: arrival_s < cutoff (waited longer than late_after_s)
-        cutoff = engine.now_s - late_after_s
-        while True:
-            if engine.num_unfinished_total() >= engine.max_num_seqs:
+            if deadline and engine.num_unfinished_total() >= engine.max_num_seqs:
                 # no more than the engine runs at once: the rest wait here, in this order
                 self.budget_blocked = False
                 return admitted
             best = -1
             best_index = 0
-            best_late = True
+            best_late = False
             best_arrival = 0.0
             for b, queue in enumerate(queues):
                 if not queue or (routes[b] != pool and routes[b] != ANY_POOL):
@@ -351,12 +326,18 @@ class Admission:
                 cap = caps[b]
                 if cap is not None and engine.num_unfinished(b) >= cap:
                     continue
-                index = _first_on_time(queue, cutoff)
-                late = index == len(queue)
-                if late:
-                    index = 0
-                arrival = queue[index][0].arrival_s
-                if best < 0 or (late, arrival) < (best_late, best_arrival):
+                index = 0
+                late = False
+                arrival = queue[0][0].arrival_s
+                if arrival < cutoff:  # its head is late: its oldest on-time request, if any
+                    index = _first_on_time(queue, cutoff)
+                    late = index == len(queue)
+                    if late:
+                        index = 0
+                    else:
+                        arrival = queue[index][0].arrival_s
+                if best < 0 or (late == best_late and arrival < best_arrival) or (
+                        best_late and not late):
                     best, best_index, best_late, best_arrival = b, index, late, arrival
             if best < 0:
                 self.budget_blocked = False
@@ -367,11 +348,15 @@ class Admission:
                 need = engine.kv_tokens_to_admit(request, best, prompt)
                 if engine.kv_budget_exceeded(need, self.kv_commit, budget):
                     self.budget_blocked_in_tick = self.budget_blocked = True
-                    self.blocked_late = best_late
-                    if not best_late:
-                        self.order_change_s = _turns_late_at(best_arrival, late_after_s)
+                    if late_after_s is not None:
+                        self.blocked_late = best_late
+                        if not best_late:
+                            self.order_change_s = _turns_late_at(best_arrival, late_after_s)
                     return admitted
-            del queue[best_index]
+            if best_index:
+                del queue[best_index]
+            else:
+                queue.popleft()
             engine.add_request(request, best, prompt, truncated)
             admitted += 1
 
@@ -382,8 +367,10 @@ class Admission:
         refused, joins that waiting queue, or waits in a queue that stays closed (its bucket
         at its cap, or the oldest eligible request held back by the KV budget, which only
         grows while requests run: with ``kv_commit="final"``, the only way the deployment
-        asks). Such arrivals can be submitted later in the same tick, in
-        order, with the same result (:meth:`~rlbatch.serving.deployment.Deployment.run_until`).
+        asks; under deadline order also an engine at its ``max_num_seqs``, but not a late
+        request held back by the budget, which an on-time arrival goes before). Such
+        arrivals can be submitted later in the same tick, in order, with the same result
+        (:meth:`~rlbatch.serving.deployment.Deployment.run_until`).
 
         :param request: a future arrival.
         :param engine: the deployment's one engine, after :meth:`admit` at this boundary.
@@ -396,14 +383,14 @@ class Admission:
             return True  # refused whenever it comes
         bucket = bisect_right(self._edges, prompt)  # self.buckets.index(prompt), inline
         cap = self.caps[bucket]
-        if cap is None:
-            return engine_holds
-        if engine.num_unfinished(bucket) >= cap:
-            return True
         if self.late_after_s is None:
-            return self.budget_blocked
-        # deadline order: a full engine stays full until something finishes; an on-time
-        # arrival goes before a late request the budget holds back
+            if cap is None:
+                return engine_holds
+            return self.budget_blocked or engine.num_unfinished(bucket) >= cap
+        # deadline order (every bucket queues): a full engine stays full until something
+        # finishes; an on-time arrival goes before a late request the budget holds back
+        if cap is not None and engine.num_unfinished(bucket) >= cap:
+            return True
         if engine.num_unfinished_total() >= engine.max_num_seqs:
             return True
         return self.budget_blocked and not self.blocked_late
@@ -494,6 +481,10 @@ class Admission:
             arrival_s=request.arrival_s, prompt_tokens=request.prompt_tokens, output_tokens=0,
             ttft_s=nan, tpot_s=nan, e2e_s=nan, finish_s=request.arrival_s, rejected=True))
         return Rejected(bucket, reason)
+
+
+def _arrival_s(item: tuple[Request, int, bool]) -> float:
+    return item[0].arrival_s
 
 
 def _first_on_time(queue: deque[tuple[Request, int, bool]], cutoff: float) -> int:

@@ -53,7 +53,7 @@ def guard_config(controller: Controller) -> GuardConfig:
 
 
 def describe_action(action: ControlAction, bucket_names: tuple[str, ...]) -> str:
-    """One line: ``0-1k=32@fp16 1k-2k=8@fp8 ...``.
+    """One line: ``0-1k=32@fp16 1k-2k=8@fp8 ...`` (``order=deadline`` under deadline order).
 
     :param action: the action.
     :param bucket_names: bucket labels.
@@ -62,6 +62,8 @@ def describe_action(action: ControlAction, bucket_names: tuple[str, ...]) -> str
              for name, cap, pool in zip(bucket_names, action.caps, action.pools, strict=True)]
     if action.max_num_seqs is not None:
         parts.append(f"max_num_seqs={action.max_num_seqs}")
+    if action.late_after_s is not None:
+        parts.append("order=deadline")
     return " ".join(parts)
 
 
@@ -139,7 +141,8 @@ class SidecarControl:
         pools = tuple(p if p in usable or not usable else
                       (cur if cur in usable else usable[0])
                       for p, cur in zip(safe.pools, self.in_force.pools, strict=True))
-        return replace(safe, pools=pools)
+        # the queues keep the order in force (the fallback is about caps, not order)
+        return replace(safe, pools=pools, late_after_s=self.in_force.late_after_s)
 
     def tick(self, now_s: float, failures: list[str]) -> DeploymentStats:
         """One control tick after the scrapes: snapshot, decide, apply, export. Never raises
