@@ -280,8 +280,8 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
             held = (proposed if self.hold_release_s is None else release_late_holds(
                 proposed, self._last_stats, wait_s=self.hold_release_s,
                 tpot_sla_s=self._info.sla.tpot_s, max_total=self.guard.config.max_cap))
-            safe, overrides = self.guard.check(
-                in_order(held, self.queue_order, self._info.sla), self._last_stats)
+            safe, overrides = self.guard.check(held, self._last_stats)
+            safe = in_order(safe, self.queue_order, self._info.sla)
             self._loop.apply(safe)
             stats = self._loop.tick()
             self._last_stats = stats

@@ -36,15 +36,12 @@ class GuardedController:
         self.info = info
         self.guard.reset(info)
         self.on_reset(info)
-        action, _ = self.guard.check(in_order(self.propose(None), self.order, info.sla), None)
-        return action
+        action, _ = self.guard.check(self.propose(None), None)
+        return in_order(action, self.order, info.sla)  # the guard's are caps, not order
 
     def decide(self, stats: DeploymentStats) -> ControlAction:
-        proposed = self.propose(stats)
-        if self.info is not None:
-            proposed = in_order(proposed, self.order, self.info.sla)
-        action, _ = self.guard.check(proposed, stats)
-        return action
+        action, _ = self.guard.check(self.propose(stats), stats)
+        return action if self.info is None else in_order(action, self.order, self.info.sla)
 
     def on_reset(self, info: DeploymentInfo) -> None:
         """Hook for per-run state."""

@@ -14,7 +14,6 @@ from policies.ppo import PpoController, ppo_factory
 from policies.rules import fixed_factory
 from rlbatch.buckets import Buckets
 from rlbatch.control.controllers import make_controller
-from rlbatch.control.guard import Guard, GuardConfig
 from rlbatch.control.queue_order import PPO_QUEUE_ORDER, check_queue_order, in_order
 from rlbatch.control.types import SLA, ControlAction, DeploymentInfo
 from rlbatch.engine.base import Engine
@@ -25,8 +24,8 @@ from rlbatch.serving.admission import (
     AdmissionConfig,
     Admitted,
     Queued,
-    _turns_late_at,
 )
+from rlbatch.serving.arrival_queue import turns_late_at
 from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.serving.run import run
 from rlbatch.sidecar.control_tick import describe_action
@@ -190,7 +189,7 @@ def test_the_budget_holds_the_on_time_request_and_says_when_it_turns_late() -> N
     adm.submit(Request(5, 3.0, 65, 200))  # on time: it goes before the late request 2
     adm.admit(engine)
     assert adm.budget_blocked and not adm.blocked_late
-    assert adm.order_change_s == _turns_late_at(3.0, LATE_AFTER_S)
+    assert adm.order_change_s == turns_late_at(3.0, LATE_AFTER_S)
     assert 5.0 <= adm.order_change_s <= math.nextafter(5.0, math.inf)
     # an on-time arrival ranks behind the held on-time request: it cannot run before it
     assert adm.leaves_running(Request(6, 3.1, 65, 200), engine, True)
@@ -212,8 +211,8 @@ def test_an_on_time_arrival_may_go_before_a_late_request_the_budget_holds() -> N
 
 
 @given(arrival=st.floats(0.0, 1e6), late_after=st.floats(0.0, 1e3))
-def test_turns_late_at_is_the_first_late_reading(arrival: float, late_after: float) -> None:
-    turn = _turns_late_at(arrival, late_after)
+def testturns_late_at_is_the_first_late_reading(arrival: float, late_after: float) -> None:
+    turn = turns_late_at(arrival, late_after)
     assert arrival < turn - late_after
     assert not arrival < math.nextafter(turn, -math.inf) - late_after
 
@@ -262,7 +261,7 @@ INFO = DeploymentInfo(buckets=Buckets(), pools={"fp16": 1}, gpu="a100-80g", mode
     ("fixed:64/64/8/8:nop99:order=deadline", 1.5),
     ("playbook", None),
 ])
-def test_controllers_set_the_order_through_the_guard(spec: str,
+def test_controllers_set_the_order_after_the_guard(spec: str,
                                                      late_after_s: float | None) -> None:
     controller = make_controller(spec)
     assert controller.reset(INFO).late_after_s == late_after_s
@@ -282,19 +281,6 @@ def test_order_options_are_checked() -> None:
     with pytest.raises(ValueError, match="queue order must be one of"):
         PpoController(ppo_factory("policies/default").artifact, order="lifo")  # type: ignore[arg-type]
     assert check_queue_order("deadline") == "deadline"
-
-
-def test_the_guard_keeps_the_proposed_order() -> None:
-    guard = Guard(GuardConfig())
-    guard.reset(INFO)
-    proposed = in_order(ControlAction((8,) * 4, ("fp16",) * 4, 64), "deadline", INFO.sla)
-    assert proposed.late_after_s == 1.5
-    safe, _ = guard.check(proposed, None)
-    # a new action (the guard's KV budget added), the order as proposed
-    assert safe.kv_budget_fraction is not None and proposed.kv_budget_fraction is None
-    assert safe.late_after_s == 1.5
-    assert guard.check(in_order(proposed, "fifo", INFO.sla), None)[0].late_after_s is None
-    assert guard.check(None, None)[0].late_after_s is None
 
 
 @pytest.mark.parametrize(("order", "late_after_s"), [("fifo", None), ("deadline", 2.0)])

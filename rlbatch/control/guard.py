@@ -347,10 +347,7 @@ class Guard:
         assert len(caps) == n
         # what the budget counts matters only with a budget (one action for "no budget")
         commit = cfg.kv_commit if budget is not None else "final"
-        # the queues' order is not a safety matter: it stays as proposed
-        late_after_s = proposed.late_after_s if proposed is not None else None
-        return ControlAction(tuple(caps), tuple(pools), total, budget, commit,
-                             late_after_s), overrides
+        return ControlAction(tuple(caps), tuple(pools), total, budget, commit), overrides
 
     # ------------------------------------------------------------------ rules
     def _sanitize(self, proposed: ControlAction | None,

@@ -32,6 +32,7 @@ from rlbatch.engine.reserve import KvCommitMode
 from rlbatch.engine.stats import FinishedRequest
 from rlbatch.frozen import quick_init
 from rlbatch.request import Request
+from rlbatch.serving.arrival_queue import add_by_arrival, first_on_time, turns_late_at
 
 OverLengthPolicy = Literal["reject", "truncate"]
 RejectReason = Literal["too_long", "queue_full", "unavailable"]
@@ -240,13 +241,7 @@ class Admission:
         queue = self.queues[bucket]
         if bound is not None and len(queue) >= bound:
             return self._reject(request, bucket, "queue_full")
-        if queue and queue[-1][0].arrival_s > request.arrival_s:
-            # the sidecar may submit out of arrival order (it sizes a prompt first); the
-            # queues stay in arrival order, which admission's order tests rely on
-            queue.insert(bisect_right(queue, request.arrival_s, key=_arrival_s),
-                         (request, prompt, truncated))
-        else:
-            queue.append((request, prompt, truncated))
+        add_by_arrival(queue, (request, prompt, truncated))
         if self.accepted is not None:
             self.accepted.append((request.request_id, request.arrival_s, bucket))
         return Queued(bucket)
@@ -330,7 +325,7 @@ class Admission:
                 late = False
                 arrival = queue[0][0].arrival_s
                 if arrival < cutoff:  # its head is late: its oldest on-time request, if any
-                    index = _first_on_time(queue, cutoff)
+                    index = first_on_time(queue, cutoff)
                     late = index == len(queue)
                     if late:
                         index = 0
@@ -351,7 +346,7 @@ class Admission:
                     if late_after_s is not None:
                         self.blocked_late = best_late
                         if not best_late:
-                            self.order_change_s = _turns_late_at(best_arrival, late_after_s)
+                            self.order_change_s = turns_late_at(best_arrival, late_after_s)
                     return admitted
             if best_index:
                 del queue[best_index]
@@ -481,37 +476,6 @@ class Admission:
             arrival_s=request.arrival_s, prompt_tokens=request.prompt_tokens, output_tokens=0,
             ttft_s=nan, tpot_s=nan, e2e_s=nan, finish_s=request.arrival_s, rejected=True))
         return Rejected(bucket, reason)
-
-
-def _arrival_s(item: tuple[Request, int, bool]) -> float:
-    return item[0].arrival_s
-
-
-def _first_on_time(queue: deque[tuple[Request, int, bool]], cutoff: float) -> int:
-    """The index of the first request of ``queue`` (in arrival order) that arrived at or
-    after ``cutoff``; ``len(queue)`` when none did."""
-    if not queue or queue[0][0].arrival_s >= cutoff:
-        return 0
-    lo, hi = 1, len(queue)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if queue[mid][0].arrival_s < cutoff:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
-
-
-def _turns_late_at(arrival_s: float, late_after_s: float) -> float:
-    """The first clock reading at which a request that arrived at ``arrival_s`` is late
-    (``arrival_s < now - late_after_s`` in floating point, as :meth:`Admission.admit` tests
-    it): a skipping engine stops at the first boundary from there, as stepping reorders."""
-    turn = arrival_s + late_after_s
-    while not arrival_s < turn - late_after_s:
-        turn = math.nextafter(turn, math.inf)
-    while arrival_s < math.nextafter(turn, -math.inf) - late_after_s:
-        turn = math.nextafter(turn, -math.inf)
-    return turn
 
 
 def _load(engine: Engine) -> tuple[int, int]:
