@@ -45,7 +45,7 @@ def main() -> int:
     controller = PpoController(artifact)
     deployment = build_deployment(DeploymentSpec())
     loop = ControlLoop(deployment, make_scenario("night", seed=0, duration_s=600).requests,
-                       controller.reset(deployment.info))
+                       controller.reset(deployment.info), discipline=controller.discipline)
     ticks = []
     while not loop.finished:
         stats = loop.tick()

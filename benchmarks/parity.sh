@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
 # Bit-identical evaluate rows between a git ref and the working tree (refactors must not move
-# a number): the same grid (static:16, playbook, ppo:policies/default on both shipped traces at
-# rate scales 0.5, 1, 2) run from a worktree of REF and from here; rows compared field by
-# field except wall_seconds / speedup_x.
-#   bash benchmarks/parity.sh 707952a     # the commit before issue 10's refactor
+# a number). The grid covers every controller kind and discipline, light load to collapsed:
+#   one pool (a100-80g / llama-2-7b), both shipped traces (10-minute windows) at rate scales
+#   0.5, 1, 2, 4: static:16, vllm-default, playbook, playbook:literal, aimd, random:1,
+#   fixed per-bucket caps with the halve fallback, fixed:256 in deadline order, fixed
+#   without a KV budget, fixed counting the final KV, ppo:policies/default (deadline order
+#   and hold release, as served), the same in FIFO without release, mpc, mpc unguarded;
+#   two pools (fp16:1,fp8:1) on the Azure trace at 1 and 2: ppo:policies/two-pool,
+#   fixed:256 in deadline order, mpc.
+# The REF's grid and this tree's run side by side (one core each); rows are compared field
+# by field except the wall-clock ones (wall_seconds, speedup_x, mpc's decision times).
+#   bash benchmarks/parity.sh HEAD       # before committing a refactor
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ref=${1:?usage: benchmarks/parity.sh GIT_REF}
@@ -12,27 +19,44 @@ traces=${RLBATCH_TRACES_DIR:-$here/../shared/data/traces}
 tmp=$(mktemp -d)
 trap 'git worktree remove --force "$tmp/base" >/dev/null 2>&1 || true; rm -rf "$tmp"' EXIT
 git worktree add -q --detach "$tmp/base" "$ref"
-grid() {  # $1 = tree to run, $2 = output JSON
-    (cd "$1" && RLBATCH_TRACES_DIR=$traces PYTHONPATH=$1 "$here/.venv/bin/python" -m rlbatch \
-        evaluate --trace "$traces/azure_conv_2023.csv" "$traces/mooncake_synthetic.jsonl" \
-        --controllers 'static:16,playbook,ppo:policies/default' --rate-scale 0.5,1,2 \
-        --quiet --json "$2" >/dev/null)
+one_pool='static:16,vllm-default,playbook,playbook:literal,aimd,random:1'
+one_pool+=',fixed:64/64/16/8:halve,fixed:256:order=deadline,fixed:128:nokv_budget'
+one_pool+=',fixed:96:commit=final,ppo:policies/default'
+one_pool+=',ppo:policies/default:order=fifo:release=off,mpc,mpc:guard=0'
+two_pool='ppo:policies/two-pool,fixed:256:order=deadline,mpc'
+grid() {  # $1 = tree to run, $2 = output prefix
+    (cd "$1" && export RLBATCH_TRACES_DIR=$traces PYTHONPATH=$1 \
+        && "$here/.venv/bin/python" -m rlbatch evaluate \
+            --trace "$traces/azure_conv_2023.csv" "$traces/mooncake_synthetic.jsonl" \
+            --window 0:600 --controllers "$one_pool" --rate-scale 0.5,1,2,4 \
+            --quiet --json "$2-one.json" >/dev/null \
+        && "$here/.venv/bin/python" -m rlbatch evaluate \
+            --trace "$traces/azure_conv_2023.csv" --window 0:600 --pools fp16:1,fp8:1 \
+            --controllers "$two_pool" --rate-scale 1,2 --quiet --json "$2-two.json" \
+            >/dev/null)
 }
-grid "$tmp/base" "$tmp/base.json"
-grid "$here" "$tmp/here.json"
-"$here/.venv/bin/python" - "$tmp/base.json" "$tmp/here.json" <<'PY'
+grid "$tmp/base" "$tmp/base" &
+base_pid=$!
+grid "$here" "$tmp/here"
+wait "$base_pid"
+"$here/.venv/bin/python" - "$tmp" <<'PY'
 import json, sys
-volatile = {"wall_seconds", "speedup_x"}
-a, b = (json.load(open(p)) for p in sys.argv[1:3])
+volatile = {"wall_seconds", "speedup_x", "mpc_decision_ms_mean", "mpc_decision_ms_p95"}
+tmp = sys.argv[1]
 rows = lambda rs: [{k: v for k, v in r.items() if k not in volatile} for r in rs]
-if rows(a) == rows(b):
+load = lambda side: [r for part in ("one", "two")
+                     for r in json.load(open(f"{tmp}/{side}-{part}.json"))]
+a, b = rows(load("base")), rows(load("here"))
+if a == b:
     print(f"parity: {len(a)} rows identical")
     sys.exit(0)
-for x, y in zip(rows(a), rows(b)):
+if len(a) != len(b):
+    print(f"parity: {len(a)} rows -> {len(b)}")
+for x, y in zip(a, b):
     for k in sorted(set(x) | set(y)):
         if x.get(k) != y.get(k):
-            print(f"DIFF {x.get('controller')} {x.get('trace')} {x.get('rate_scale')} {k}: "
-                  f"{x.get(k)!r} -> {y.get(k)!r}")
+            print(f"DIFF {x.get('controller')} {x.get('trace')} {x.get('rate_scale')} "
+                  f"{x.get('pools')} {k}: {x.get(k)!r} -> {y.get(k)!r}")
 print("parity: rows differ")
 sys.exit(1)
 PY

@@ -12,14 +12,15 @@ from gymnasium import spaces
 
 from rlbatch.buckets import Buckets
 from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, make_codec
-from rlbatch.control.guard import DEFAULT_LADDER, Guard, GuardConfig
-from rlbatch.control.hold_release import release_late_holds
+from rlbatch.control.discipline import QueueOrder
+from rlbatch.control.guard import DEFAULT_LADDER, GuardConfig
+from rlbatch.control.hold_release import HoldRelease
 from rlbatch.control.observation import (
     CLIP,
     ObservationBuilder,
     observation_size,
 )
-from rlbatch.control.queue_order import check_queue_order, in_order
+from rlbatch.control.pipeline import DecisionPipeline
 from rlbatch.control.reward import RewardConfig, compute_reward
 from rlbatch.control.types import SLA, ControlAction, DeploymentInfo, DeploymentStats
 from rlbatch.engine.config import parse_pools
@@ -41,10 +42,12 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     (the vLLM V1 simulator by default) runs them with continuous batching, chunked prefill
     and a paged KV cache. Every control tick (``tick_s`` of engine time, 1 s by default) the
     agent sets, per bucket, the cap (most requests of that bucket an engine holds at once)
-    and the pool (``fp16`` or ``fp8`` KV cache) the bucket is routed to. A hard rule-based
-    :class:`~rlbatch.control.guard.Guard` turns the proposal into a safe action first (warm-up ramp,
-    KV-usage and P99 circuit breakers, efficiency monitor, committed-KV admission budget);
-    its overrides are penalised and reported.
+    and the pool (``fp16`` or ``fp8`` KV cache) the bucket is routed to. The proposal goes
+    through the one decision pipeline every served controller uses
+    (:class:`~rlbatch.control.pipeline.DecisionPipeline`): the hold release, if set, then a
+    hard rule-based :class:`~rlbatch.control.guard.Guard` (warm-up ramp, KV-usage and P99
+    circuit breakers, efficiency monitor, committed-KV admission budget), whose overrides
+    are penalised and reported.
 
     ## Action space
     ``MultiDiscrete([L, P] * B)``: for each bucket ``b`` in order, ``action[2b]`` is an index
@@ -57,10 +60,10 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     cap sets) and, per bucket, ``action[1 + 2b]`` its share of the total (``1/8, 1/4, 1/2,
     1``: cap ``ceil(share * total)``, 1 = only the total limits it) and ``action[2 + 2b]``
     its pool. With ``decision_ticks = k`` one step holds the action for ``k`` ticks (the
-    guard still checks every tick) and returns the summed reward. With ``hold_release_s``
-    set, what the action holds back is released on every tick where a queue head has waited
-    that long (a trimmed bucket's trim; the total, whatever TPOT is:
-    :mod:`rlbatch.control.hold_release`), as ``ppo:PATH`` serves a policy.
+    guard still checks every tick) and returns the summed reward. With ``release`` set, what
+    the action holds back is released on every tick where a queue head has waited that
+    fraction of the SLA's TTFT (a trimmed bucket's trim; the total, whatever TPOT is:
+    :mod:`rlbatch.control.hold_release`), exactly as ``ppo:PATH`` serves a policy.
 
     ## Observation space
     ``Box(0, 10, (8 B + 13,), float32)``; every feature is normalised and clipped to [0, 10].
@@ -130,7 +133,7 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     pools="fp16", ladder=None, guard=None, reward=None, sla=None, buckets=None,
     load_scale=1.0, window_s=30, engine="sim", max_model_len=None,
     action_kind="per_bucket", obs_version=1, decision_ticks=1, shares=SHARE_LADDER,
-    hold_release_s=None, queue_order="fifo")``
+    release=None, queue_order="fifo")``
 
     * ``scenario``: ``mixed`` (trace slices + generators), a named scenario (``day``,
       ``night``, ``bursty``, ``diurnal``), or a trace file path (random slices of it).
@@ -148,13 +151,14 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     * ``decision_ticks``: ticks one action is held for.
     * ``shares``: the ``total_share`` action's share ladder (``(1.0,)``: the total cap
       only).
-    * ``hold_release_s``: the hold release's wait, seconds (``None``: off, the default).
+    * ``release``: the hold release, a :class:`~rlbatch.control.hold_release.HoldRelease`
+      (``None``: off, the default).
     * ``queue_order``: the order of admission's queues, ``fifo`` (the default) or
       ``deadline`` (requests that can no longer meet their TTFT after those that can:
-      :mod:`rlbatch.control.queue_order`).
+      :mod:`rlbatch.control.discipline`).
 
     ## Version history
-    * v0: initial version; observation version 3, ``hold_release_s`` and ``queue_order``
+    * v0: initial version; observation version 3, the hold release and ``queue_order``
       added without a new env version (the defaults are unchanged).
     """
 
@@ -183,14 +187,10 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
         obs_version: int = 1,
         decision_ticks: int = 1,
         shares: tuple[float, ...] = SHARE_LADDER,
-        hold_release_s: float | None = None,
-        queue_order: str = "fifo",
+        release: HoldRelease | None = None,
+        queue_order: QueueOrder = "fifo",
     ) -> None:
         super().__init__()
-        self.queue_order = check_queue_order(queue_order)
-        if hold_release_s is not None and not hold_release_s > 0:
-            raise ValueError(f"hold_release_s must be > 0 or None, got {hold_release_s}")
-        self.hold_release_s = hold_release_s
         if not episode_s > 0 or not tick_s > 0 or not drain_s >= 0:
             raise ValueError(f"episode_s and tick_s must be > 0 and drain_s >= 0, got "
                              f"{episode_s}, {tick_s}, {drain_s}")
@@ -200,7 +200,8 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
             ladder=TOTAL_LADDER if action_kind == "total_share" else DEFAULT_LADDER)
         if ladder is not None:
             guard_cfg = replace(guard_cfg, ladder=tuple(ladder))
-        self.guard = Guard(guard_cfg)
+        self.pipeline = DecisionPipeline(guard_cfg, release, queue_order)
+        self.guard = self.pipeline.guard
         self.ladder = guard_cfg.ladder
         self.reward_cfg = reward or RewardConfig()
         self.obs_version = obs_version
@@ -254,11 +255,11 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
         self._deployment = deployment
         info = deployment.info
         self._info = info
-        self.guard.reset(info)
-        initial, _ = self.guard.check(None, None)
-        initial = in_order(initial, self.queue_order, info.sla)
+        self.pipeline.reset(info)
+        initial, _ = self.pipeline.decide(None, None)
         self._loop = ControlLoop(deployment, workload.requests, initial,
-                                 window_s=self.window_s, drain_s=self.drain_s)
+                                 discipline=self.pipeline.discipline, window_s=self.window_s,
+                                 drain_s=self.drain_s)
         self._builder = ObservationBuilder(info, self.guard.config.max_cap,
                                            self.guard.config.warmup_s, self.obs_version)
         self._last_stats = None
@@ -277,11 +278,7 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
         parts: dict[str, float] = {}
         fired: list[str] = []
         for _ in range(self.decision_ticks):
-            held = (proposed if self.hold_release_s is None else release_late_holds(
-                proposed, self._last_stats, wait_s=self.hold_release_s,
-                tpot_sla_s=self._info.sla.tpot_s, max_total=self.guard.config.max_cap))
-            safe, overrides = self.guard.check(held, self._last_stats)
-            safe = in_order(safe, self.queue_order, self._info.sla)
+            safe, overrides = self.pipeline.decide(proposed, self._last_stats)
             self._loop.apply(safe)
             stats = self._loop.tick()
             self._last_stats = stats

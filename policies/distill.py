@@ -1,7 +1,8 @@
 """Teacher -> student: behaviour cloning and DAgger from a planning teacher (``mpc``).
 
-The teacher is any guarded controller that exposes the action it proposed before the guard
-(``last_proposal``); the planner (:mod:`policies.mpc`) is the intended one. A run is driven
+The teacher is any controller that says which action it proposed before its pipeline
+(:attr:`~rlbatch.control.controllers.Controller.last_proposal`); the planner
+(:mod:`policies.mpc`) is the intended one. A run is driven
 by :func:`rlbatch.serving.run.run`, so the teacher gets its digital twin exactly as in
 ``rlbatch evaluate``. At every decision point the student's observation (the same
 :class:`~rlbatch.control.observation.ObservationBuilder` the env and serving use) is stored
@@ -19,40 +20,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from rlbatch.control.action_codec import Codec, TotalShareCodec
-from rlbatch.control.controllers import make_controller
+from rlbatch.control.controllers import Controller, make_controller
+from rlbatch.control.discipline import AdmissionDiscipline
 from rlbatch.control.observation import ObservationBuilder
+from rlbatch.control.pipeline import DecisionPipeline
 from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats
 from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.serving.run import run
 from rlbatch.workload import Workload
-
-
-class Teacher(Protocol):
-    """A controller that says what it proposed before its guard."""
-
-    name: str
-    last_proposal: ControlAction | None
-
-    def reset(self, info: DeploymentInfo) -> ControlAction: ...
-
-    def decide(self, stats: DeploymentStats) -> ControlAction: ...
-
-
-class Actor(Protocol):
-    """The controller in charge during a DAgger run (the student behind its guard)."""
-
-    name: str
-
-    def reset(self, info: DeploymentInfo) -> ControlAction: ...
-
-    def decide(self, stats: DeploymentStats) -> ControlAction: ...
-
-    def guard_flags(self) -> tuple[float, ...]: ...
 
 
 @dataclass
@@ -121,7 +101,7 @@ def check_labels(labels: str) -> None:
         raise ValueError(f"labels must be one of {', '.join(LABELS)}, got {labels!r}")
 
 
-class LabellingController:
+class LabellingController(Controller):
     """Runs the teacher (behaviour cloning) or a student (DAgger) and records, every
     ``decision_ticks`` ticks, the student's observation and the teacher's proposal.
 
@@ -135,8 +115,8 @@ class LabellingController:
         ``action(key)``.
     """
 
-    def __init__(self, teacher: Teacher, codec: Codec, obs_version: int, max_cap: int,
-                 decision_ticks: int = 1, actor: Actor | None = None,
+    def __init__(self, teacher: Controller, codec: Codec, obs_version: int, max_cap: int,
+                 decision_ticks: int = 1, actor: Controller | None = None,
                  labels: str = "choice") -> None:
         if decision_ticks < 1:
             raise ValueError(f"decision_ticks must be >= 1, got {decision_ticks}")
@@ -160,17 +140,27 @@ class LabellingController:
         self._chosen: list[bool] = []
         self._ticks = 0
 
-    def bind(self, twin: Any) -> None:
+    def bind(self, twin: Any) -> bool:
         """Hand the run's twin to whichever party plans with one."""
-        for party in (self.teacher, self.actor):
-            bind = getattr(party, "bind", None)
-            if bind is not None:
-                bind(twin)
+        bound = [party.bind(twin) for party in (self.teacher, self.actor) if party is not None]
+        return any(bound)
+
+    @property
+    def in_charge(self) -> Controller:
+        """The party whose actions are applied: the student in DAgger, else the teacher."""
+        return self.actor if self.actor is not None else self.teacher
+
+    @property
+    def pipeline(self) -> DecisionPipeline | None:
+        return self.in_charge.pipeline
+
+    @property
+    def discipline(self) -> AdmissionDiscipline:
+        return self.in_charge.discipline
 
     @property
     def guard_overrides_total(self) -> int:
-        party = self.actor if self.actor is not None else self.teacher
-        return int(getattr(party, "guard_overrides_total", 0))
+        return self.in_charge.guard_overrides_total
 
     def reset(self, info: DeploymentInfo) -> ControlAction:
         self._builder = ObservationBuilder(info, self.max_cap, version=self.obs_version)
@@ -184,9 +174,7 @@ class LabellingController:
         if self._builder is None:
             raise RuntimeError("decide() before reset()")
         self._ticks += 1
-        flags = (self.actor.guard_flags() if self.actor is not None
-                 else _guard_flags(self.teacher))
-        obs = self._builder.build(stats, flags)
+        obs = self._builder.build(stats, self.in_charge.guard_flags())
         teacher_action = self.teacher.decide(stats)
         if (self._ticks - 1) % self.decision_ticks == 0:
             proposal = self.teacher.last_proposal or teacher_action
@@ -235,14 +223,9 @@ def student_labeller(student: Any, teacher: str) -> LabellingController:
     codec = TotalShareCodec(tuple(int(t) for t in meta["totals"]),
                             tuple(float(s) for s in meta["shares"]), tuple(meta["pools"]),
                             len(meta["bucket_edges"]) + 1)
-    return LabellingController(make_controller(teacher), codec,  # type: ignore[arg-type]
+    return LabellingController(make_controller(teacher), codec,
                                student.obs_version, max(codec.totals), student.decision_ticks,
                                student)
-
-
-def _guard_flags(controller: Any) -> tuple[float, ...]:
-    guard = getattr(controller, "guard", None)
-    return guard.flags() if guard is not None else (0.0,) * 5
 
 
 def collect(labeller: LabellingController, workloads: Sequence[Workload],

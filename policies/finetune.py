@@ -25,9 +25,8 @@ import gymnasium as gym
 import numpy as np
 
 from rlbatch.control.action_codec import SHARE_LADDER
-from rlbatch.control.hold_release import HOLD_RELEASE_FRACTION
-from rlbatch.control.queue_order import PPO_QUEUE_ORDER
-from rlbatch.control.types import SLA
+from rlbatch.control.discipline import PPO_QUEUE_ORDER
+from rlbatch.control.hold_release import HoldRelease
 from rlbatch.workload import Workload
 
 
@@ -203,9 +202,8 @@ def recipe_env_kwargs(gpu: str, model: str, pools: str, episode_s: float, obs_ve
                       decision_ticks: int, shares: tuple[float, ...] = SHARE_LADDER
                       ) -> dict[str, Any]:
     """The env arguments that give a recipe student's spaces and deployment, and the hold
-    release and queue order it is served with (``ppo:PATH``'s defaults, at the default
-    SLA)."""
+    release and queue order it is served with (``ppo:PATH``'s defaults)."""
     return {"gpu": gpu, "model": model, "pools": pools, "episode_s": episode_s,
             "action_kind": "total_share", "obs_version": obs_version,
             "decision_ticks": decision_ticks, "shares": tuple(shares),
-            "hold_release_s": HOLD_RELEASE_FRACTION * SLA().ttft_s, "queue_order": PPO_QUEUE_ORDER}
+            "release": HoldRelease(), "queue_order": PPO_QUEUE_ORDER}

@@ -56,6 +56,7 @@ from policies.mpc_candidates import Key, fair_keys, splits, trims, untrimmed
 from policies.mpc_score import score_rollout
 from policies.rules import GuardedController
 from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, TotalShareCodec
+from rlbatch.control.discipline import PLAIN, AdmissionDiscipline
 from rlbatch.control.guard import GuardConfig
 from rlbatch.control.types import (
     ControlAction,
@@ -164,6 +165,8 @@ class MpcController(GuardedController):
     :param name: the command-line name.
     """
 
+    reports_proposals = True
+
     def __init__(self, config: MpcConfig | None = None, guard: GuardConfig | None = None,
                  name: str = "mpc") -> None:
         super().__init__(name, guard)
@@ -193,11 +196,17 @@ class MpcController(GuardedController):
         self._last_stats: DeploymentStats | None = None
 
     # ------------------------------------------------------------------ twin
-    def bind(self, twin: Twin) -> None:
+    def bind(self, twin: Twin) -> bool:
         """Use ``twin`` (the exact fork of a simulated deployment) for the next run; without
         one the controller rebuilds a :class:`~rlbatch.serving.twin.StatsTwin` from what it
         sees."""
         self._bound = twin
+        return True
+
+    @property
+    def discipline(self) -> AdmissionDiscipline:
+        """The guard's KV budget, FIFO; unguarded (``guard=0``), a plain vLLM server's."""
+        return super().discipline if self.config.guarded else PLAIN
 
     def on_reset(self, info: DeploymentInfo) -> None:
         n = len(info.buckets)
@@ -295,15 +304,15 @@ class MpcController(GuardedController):
             if key not in scores:
                 assert self.twin is not None and self.info is not None
                 action = self.action(key)
-                # as the guard will let it through at the next tick, from its state now
-                guarded = (copy.deepcopy(self.guard).check(action, last)[0] if cfg.guarded
+                # as the pipeline will let it through at the next tick, from its state now
+                guarded = (copy.deepcopy(self.pipeline).decide(action, last)[0] if cfg.guarded
                            else action)
                 total = 0.0
                 lost = [0.0] * n
                 done = [0.0] * n
                 for arrivals in streams:
                     result = roll_out(self.twin.fork(now_s, arrivals), guarded, now_s,
-                                      now_s + cfg.horizon_s)
+                                      now_s + cfg.horizon_s, self.discipline)
                     out = score_rollout(result, self.info.sla, weights, cfg.backlog,
                                         cfg.weigh_misses, cfg.project_s, cfg.fp8_cost)
                     total += out.total

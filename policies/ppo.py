@@ -6,16 +6,18 @@ action space (``per_bucket`` or ``total_share``), observation version and decisi
 the policy was trained with; artifacts without those fields are the first policies'
 (per-bucket caps, observation version 1, a decision every tick).
 
-What a policy holds back is released once a queue head has waited half the SLA's TTFT: the
-trimmed bucket's trim, and the total whatever TPOT is (:mod:`rlbatch.control.hold_release`;
+The policy's proposals go through the one decision pipeline
+(:class:`~rlbatch.control.pipeline.DecisionPipeline`), as in the env it was trained in: what
+it holds back is released once a queue head has waited half the SLA's TTFT (the trimmed
+bucket's trim, and the total whatever TPOT is: :mod:`rlbatch.control.hold_release`;
 ``ppo:PATH:release=F`` for another fraction, ``ppo:PATH:release=off`` for none,
-``ppo:PATH:release_tpot=1`` to hold the total while TPOT P99 is over its SLA, the rule of
-stops 24-26).
+``ppo:PATH:release_tpot=1`` to hold the total while TPOT P99 is over its SLA), then the guard
+makes it safe.
 
 Admission's queues are in deadline order: a request that can no longer meet its TTFT goes
 after those that still can, and the engines are given no more requests than they run at once,
-so the waiting happens where that order applies (:mod:`rlbatch.control.queue_order`;
-``ppo:PATH:order=fifo`` for FIFO, the order of stops 1-27).
+so the waiting happens where that order applies (:mod:`rlbatch.control.discipline`;
+``ppo:PATH:order=fifo`` for FIFO).
 """
 
 from __future__ import annotations
@@ -28,15 +30,15 @@ from pathlib import Path
 from policies.artifact import ArtifactError, PolicyArtifact, load_artifact
 from policies.rules import GuardedController
 from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, Codec, make_codec
+from rlbatch.control.discipline import PPO_QUEUE_ORDER, QueueOrder, check_queue_order
 from rlbatch.control.guard import GuardConfig
 from rlbatch.control.guard_record import guard_from_record, record_mismatch
 from rlbatch.control.hold_release import (
     HOLD_RELEASE_FRACTION,
     RELEASE_TPOT_TOLERANCE,
-    release_late_holds,
+    HoldRelease,
 )
 from rlbatch.control.observation import ObservationBuilder
-from rlbatch.control.queue_order import PPO_QUEUE_ORDER, QueueOrder, check_queue_order
 from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats
 
 log = logging.getLogger(__name__)
@@ -75,30 +77,18 @@ class PpoController(GuardedController):
     :param guard: guard configuration (default: the one the artifact records, see
         :func:`artifact_guard`); differences from the recorded one are logged as warnings
         and kept in :attr:`guard_warnings`.
-    :param hold_release: what the policy holds back is released once a queue head has waited
-        this fraction of the SLA's TTFT
-        (:func:`~rlbatch.control.hold_release.release_late_holds`); ``None``: the policy's
-        trims and total stand however long requests wait.
-    :param release_tpot: the total is released unless the window's TPOT P99 is over this
-        multiple of the SLA's TPOT (``math.inf``: whatever TPOT is).
-    :param order: the order of admission's queues (:mod:`rlbatch.control.queue_order`;
-        default :data:`~rlbatch.control.queue_order.PPO_QUEUE_ORDER`).
+    :param release: when what the policy holds back is released
+        (:class:`~rlbatch.control.hold_release.HoldRelease`); ``None``: the policy's trims
+        and total stand however long requests wait.
+    :param order: the order of admission's queues (:mod:`rlbatch.control.discipline`;
+        default :data:`~rlbatch.control.discipline.PPO_QUEUE_ORDER`).
     """
 
     def __init__(self, artifact: PolicyArtifact, name: str = "ppo",
                  guard: GuardConfig | None = None,
-                 hold_release: float | None = HOLD_RELEASE_FRACTION,
-                 release_tpot: float = RELEASE_TPOT_TOLERANCE,
+                 release: HoldRelease | None = HoldRelease(),  # noqa: B008 (frozen)
                  order: QueueOrder = PPO_QUEUE_ORDER) -> None:
-        if hold_release is not None and not (math.isfinite(hold_release) and hold_release > 0):
-            raise ValueError(f"hold_release must be > 0 (a fraction of the SLA's TTFT) or "
-                             f"None, got {hold_release}")
-        if not release_tpot >= 1.0:
-            raise ValueError(f"release_tpot must be >= 1 (a multiple of the SLA's TPOT), "
-                             f"got {release_tpot}")
-        super().__init__(name, guard or artifact_guard(artifact), order)
-        self.hold_release = hold_release
-        self.release_tpot = release_tpot
+        super().__init__(name, guard or artifact_guard(artifact), order, release)
         self.artifact = artifact
         self.guard_warnings = guard_warnings(artifact, self.guard.config)
         for line in self.guard_warnings:
@@ -148,15 +138,7 @@ class PpoController(GuardedController):
         self._ticks += 1
         if self._held is None or (self._ticks - 1) % self.decision_ticks == 0:
             self._held = self._codec.decode(self.artifact.act(obs))
-        if self.hold_release is None or self.info is None:
-            return self._held
-        sla = self.info.sla
-        return release_late_holds(self._held, stats, wait_s=self.hold_release * sla.ttft_s,
-                                  tpot_sla_s=sla.tpot_s, max_total=self.guard.config.max_cap,
-                                  tpot_tolerance=self.release_tpot)
-
-    def guard_flags(self) -> tuple[float, ...]:
-        return self.guard.flags()
+        return self._held
 
 
 _OPTION = re.compile(r"[a-z_]+=")
@@ -202,7 +184,7 @@ def ppo_factory(arg: str) -> PpoController:
     ``:release_tpot=X`` (the total is released unless TPOT P99 is over X times the SLA's TPOT,
     default :data:`~rlbatch.control.hold_release.RELEASE_TPOT_TOLERANCE`; ``inf``: whatever
     TPOT is) and ``:order=fifo`` / ``:order=deadline`` (the order of admission's queues,
-    default :data:`~rlbatch.control.queue_order.PPO_QUEUE_ORDER`).
+    default :data:`~rlbatch.control.discipline.PPO_QUEUE_ORDER`).
 
     :raises ValueError: an unknown option, one given twice, a bad value, ``release_tpot``
         with ``release=off`` (it would do nothing), or no path.
@@ -237,5 +219,6 @@ def ppo_factory(arg: str) -> PpoController:
         raise ValueError("ppo needs an artifact path, e.g. ppo:policies/default")
     if release is None and "release_tpot" in seen:
         raise ValueError(f"ppo option release_tpot does nothing with release=off (ppo:{arg})")
-    return PpoController(load_artifact(Path(path)), name=f"ppo:{arg}", hold_release=release,
-                         release_tpot=tolerance, order=order)
+    return PpoController(load_artifact(Path(path)), name=f"ppo:{arg}",
+                         release=None if release is None else HoldRelease(release, tolerance),
+                         order=order)

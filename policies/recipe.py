@@ -42,10 +42,10 @@ from policies.selection import validation_statics
 from policies.training import eval_score, export_actor
 from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, TotalShareCodec
 from rlbatch.control.controllers import make_controller
+from rlbatch.control.discipline import PPO_QUEUE_ORDER
 from rlbatch.control.guard import GuardConfig
 from rlbatch.control.guard_record import guard_record
 from rlbatch.control.observation import OBS_VERSIONS, feature_names, observation_size
-from rlbatch.control.queue_order import PPO_QUEUE_ORDER
 from rlbatch.engine.config import parse_pools
 from rlbatch.paths import default_training_traces
 from rlbatch.profiles.specs import load_gpu, load_model
@@ -252,9 +252,9 @@ def make_labeller(cfg: RecipeConfig, codec: TotalShareCodec,
     :param actor: the student driving (DAgger), ``None``: the teacher drives.
     """
     teacher = make_controller(cfg.teacher)
-    if not hasattr(teacher, "last_proposal"):
+    if not teacher.reports_proposals:
         raise ValueError(f"teacher {cfg.teacher!r} does not expose last_proposal")
-    return LabellingController(teacher, codec, cfg.obs_version,  # type: ignore[arg-type]
+    return LabellingController(teacher, codec, cfg.obs_version,
                                max(codec.totals), cfg.decision_ticks, actor, cfg.labels)
 
 

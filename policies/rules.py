@@ -8,40 +8,54 @@ from __future__ import annotations
 
 import numpy as np
 
+from rlbatch.control.controllers import Controller
+from rlbatch.control.discipline import KvBudget, QueueOrder, check_queue_order
 from rlbatch.control.guard import Guard, GuardConfig
-from rlbatch.control.queue_order import QueueOrder, check_queue_order, in_order
+from rlbatch.control.hold_release import HoldRelease
+from rlbatch.control.pipeline import DecisionPipeline
 from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats, balanced_route
 
 
-class GuardedController:
-    """Shared machinery: a proposal rule behind the guard.
+class GuardedController(Controller):
+    """Shared machinery: a proposal rule through the decision pipeline
+    (:class:`~rlbatch.control.pipeline.DecisionPipeline`: release, then the guard).
 
     :param name: controller name as the command line spells it.
     :param guard: the guard configuration.
-    :param order: the order of admission's queues (:mod:`rlbatch.control.queue_order`).
+    :param order: the order of admission's queues (:mod:`rlbatch.control.discipline`).
+    :param release: when held-back work is released (``None``: never).
     """
 
     def __init__(self, name: str, guard: GuardConfig | None = None,
-                 order: QueueOrder = "fifo") -> None:
+                 order: QueueOrder = "fifo", release: HoldRelease | None = None) -> None:
         self.name = name
-        self.guard = Guard(guard or GuardConfig())
-        self.order = check_queue_order(order)
+        self._pipeline = DecisionPipeline(guard, release, order)
         self.info: DeploymentInfo | None = None
 
     @property
-    def guard_overrides_total(self) -> int:
-        return self.guard.overrides_total
+    def pipeline(self) -> DecisionPipeline:
+        return self._pipeline
+
+    @property
+    def guard(self) -> Guard:
+        """The pipeline's guard."""
+        return self._pipeline.guard
+
+    @property
+    def order(self) -> QueueOrder:
+        """The order of admission's queues under this controller."""
+        return self._pipeline.order
 
     def reset(self, info: DeploymentInfo) -> ControlAction:
         self.info = info
-        self.guard.reset(info)
+        self._pipeline.reset(info)
         self.on_reset(info)
-        action, _ = self.guard.check(self.propose(None), None)
-        return in_order(action, self.order, info.sla)  # the guard's are caps, not order
+        action, _ = self._pipeline.decide(self.propose(None), None)
+        return action
 
     def decide(self, stats: DeploymentStats) -> ControlAction:
-        action, _ = self.guard.check(self.propose(stats), stats)
-        return action if self.info is None else in_order(action, self.order, self.info.sla)
+        action, _ = self._pipeline.decide(self.propose(stats), stats)
+        return action
 
     def on_reset(self, info: DeploymentInfo) -> None:
         """Hook for per-run state."""
@@ -56,9 +70,9 @@ class GuardedController:
 # scenario, 2 of 3 seeds).
 # The guide reserves headroom for every admitted request's growth: the sum of the counts
 PLAYBOOK_GUARD = GuardConfig(p99_metrics=("tpot",), p99_fallback="no_batching",
-                             kv_commit="final")
+                             kv_budget=KvBudget(commit="final"))
 PLAYBOOK_LITERAL_GUARD = GuardConfig(p99_metrics=("ttft", "tpot"), p99_fallback="no_batching",
-                                     kv_commit="final")
+                                     kv_budget=KvBudget(commit="final"))
 
 
 class PlaybookController(GuardedController):
@@ -238,10 +252,11 @@ class FixedController(GuardedController):
 
 _SWITCHABLE = ("warmup", "kv_high", "p99", "efficiency", "kv_budget")
 _FALLBACKS = ("proportional", "halve", "no_batching")
-_NUMERIC = {"kv_budget": ("kv_budget_fraction", "a fraction"),
+_NUMERIC = {"kv_budget": ("fraction", "a fraction"),
             "surge": ("p99_surge_ratio",
                       "a ratio (0: trim long buckets whether or not they surge)")}
-"""``fixed`` options ``KEY=NUMBER``: the guard field each sets and what it takes."""
+"""``fixed`` options ``KEY=NUMBER``: the guard field (``fraction``: the KV budget's) each sets
+and what it takes."""
 
 
 def fixed_factory(arg: str) -> FixedController:
@@ -258,10 +273,10 @@ def fixed_factory(arg: str) -> FixedController:
     ``unguarded`` switches them all off (sanitising stays), ``proportional`` / ``halve`` /
     ``no_batching`` choose the P99 fallback, ``kv_budget=F`` sets the committed-KV budget's
     fraction of the pool, ``commit=final`` / ``commit=peak`` what that budget counts
-    (``GuardConfig.kv_commit``), ``surge=R`` the surge ratio of the proportional fallback
-    (``surge=0``: trim long buckets whether or not they surge, the rule before issue 14's
-    stop 8). ``order=deadline`` puts admission's queues in deadline order
-    (:mod:`rlbatch.control.queue_order`; default ``fifo``).
+    (:class:`~rlbatch.control.discipline.KvBudget`), ``surge=R`` the surge ratio of the
+    proportional fallback (``surge=0``: trim long buckets whether or not they surge, the
+    earlier rule). ``order=deadline`` puts admission's queues in deadline order
+    (:mod:`rlbatch.control.discipline`; default ``fifo``).
     Examples: ``fixed:64``, ``fixed:64/64/64/64``, ``fixed:64:nop99``, ``fixed:256:surge=0``,
     ``fixed:64/64/64/64:halve``, ``fixed:32/32/8/8@48``.
     """
@@ -284,16 +299,21 @@ def fixed_factory(arg: str) -> FixedController:
     if (total is not None and total < 1) or any(c is not None and c < 1 for c in caps or ()):
         raise ValueError(f"fixed caps must be >= 1, got fixed:{arg}")
     changes: dict[str, object] = {}
+    budget: dict[str, object] = {}  # the KV budget's fields
+    budget_on = True
     order: QueueOrder = "fifo"
     for option in options:
         if option == "unguarded":
-            changes.update(dict.fromkeys(_SWITCHABLE, False))
+            changes.update(dict.fromkeys(_SWITCHABLE[:-1], False))
+            budget_on = False
+        elif option == "nokv_budget":
+            budget_on = False
         elif option.startswith("no") and option[2:] in _SWITCHABLE:
             changes[option[2:]] = False
         elif option in _FALLBACKS:
             changes["p99_fallback"] = option
         elif option.partition("=")[0] == "commit":
-            changes["kv_commit"] = option.partition("=")[2]
+            budget["commit"] = option.partition("=")[2]
         elif option.partition("=")[0] == "order":
             try:
                 order = check_queue_order(option.partition("=")[2])
@@ -303,7 +323,7 @@ def fixed_factory(arg: str) -> FixedController:
             key, _, text = option.partition("=")
             field, meaning = _NUMERIC[key]
             try:
-                changes[field] = float(text)
+                (budget if key == "kv_budget" else changes)[field] = float(text)
             except ValueError:
                 raise ValueError(f"{key}= needs {meaning}, got {option!r} in "
                                  f"fixed:{arg}") from None
@@ -312,5 +332,6 @@ def fixed_factory(arg: str) -> FixedController:
                              f"{', '.join('no' + r for r in _SWITCHABLE)}, unguarded, "
                              f"{', '.join(_FALLBACKS)}, kv_budget=FRACTION, surge=RATIO, "
                              f"commit=final|peak, order=fifo|deadline")
-    guard = GuardConfig(**changes)  # type: ignore[arg-type]
+    kv_budget = KvBudget(**budget)  # type: ignore[arg-type]  # validated even when off
+    guard = GuardConfig(**changes, kv_budget=kv_budget if budget_on else None)  # type: ignore[arg-type]
     return FixedController(f"fixed:{arg}", caps, total, guard, order)

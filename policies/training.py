@@ -24,9 +24,9 @@ from policies.compare import starved_buckets
 from policies.ppo import PpoController
 from rlbatch import __version__
 from rlbatch.control.controllers import make_controller
+from rlbatch.control.discipline import PPO_QUEUE_ORDER
 from rlbatch.control.guard_record import guard_record
 from rlbatch.control.observation import feature_names
-from rlbatch.control.queue_order import PPO_QUEUE_ORDER
 from rlbatch.control.stats_metrics import MetricContext, tensorboard_scalars
 from rlbatch.control.types import DeploymentStats
 from rlbatch.engine.config import parse_pools

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rlbatch.control.discipline import AdmissionDiscipline, KvBudget
 from rlbatch.control.types import ANY_POOL, ControlAction, route_choices
 from rlbatch.engine.base import Engine
 from rlbatch.engine.sim import SimEngine
@@ -217,12 +218,16 @@ def test_admission_never_exceeds_a_cap_and_never_loses_a_request(
 
 
 # ---------------------------------------------------------------- KV budget
+WHOLE_POOL = AdmissionDiscipline("fifo", KvBudget(1.0, "final"))
+
+
 def test_kv_budget_counts_whole_blocks_so_the_admitted_set_never_preempts() -> None:
     # 4 x (65 + 200) = 1,060 tokens fit 67 blocks (1,072 tokens) as a token sum, but each
     # request ends on 17 blocks (272 tokens): only 3 fit, and the 4th waits for one to finish.
     engine = sim_engine(0, "fp16", blocks=67, kv_reserve="oracle")
     adm = Admission([engine], BUCKETS, MAX_LEN, AdmissionConfig())
-    adm.apply(ControlAction((8,) * 3, ("fp16",) * 3, None, 1.0))  # capped: queued, budgeted
+    adm.configure(WHOLE_POOL, 2.0)  # a KV budget of the whole pool
+    adm.apply(ControlAction((8,) * 3, ("fp16",) * 3))  # capped: queued, budgeted
     for i in range(4):
         adm.submit(Request(i, 0.0, 65, 200))
     adm.admit(engine)
@@ -242,7 +247,8 @@ def test_kv_budget_reserves_the_declared_max_tokens_cut_to_the_context() -> None
     # (each still generates 200); max_tokens past the context commits the context (512).
     engine = sim_engine(0, "fp16", blocks=67, kv_reserve="declared")
     adm = Admission([engine], BUCKETS, MAX_LEN, AdmissionConfig())
-    adm.apply(ControlAction((8,) * 3, ("fp16",) * 3, None, 1.0))
+    adm.configure(WHOLE_POOL, 2.0)
+    adm.apply(ControlAction((8,) * 3, ("fp16",) * 3))
     for i in range(3):
         adm.submit(Request(i, 0.0, 65, 200, max_tokens=400))
     adm.admit(engine)

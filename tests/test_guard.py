@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 
 from rlbatch.buckets import Buckets
 from rlbatch.control.controllers import make_controller
+from rlbatch.control.discipline import AdmissionDiscipline
 from rlbatch.control.guard import RULES, Guard, GuardConfig
+from rlbatch.control.pipeline import DecisionPipeline
 from rlbatch.control.types import SLA, ControlAction, DeploymentInfo, DeploymentStats, WindowStats
 from rlbatch.engine.stats import EngineStats
 from rlbatch.serving.deployment import DeploymentSpec
@@ -93,7 +95,6 @@ def test_guard_output_is_always_safe_and_deterministic(
             assert cap is not None and 1 <= cap <= (config.max_cap if total is None
                                                     else max(config.max_cap, total))
         assert set(out_a.pools) <= {"fp16", "fp8"}
-        assert out_a.kv_budget_fraction == config.kv_budget_fraction
         assert all(o.rule in RULES for o in over_a)
 
 
@@ -181,13 +182,13 @@ def test_low_efficiency_shrinks_caps() -> None:
 
 def test_every_rule_can_be_switched_off() -> None:
     guard = Guard(GuardConfig(warmup=False, kv_high=False, p99=False, efficiency=False,
-                              kv_budget=False))
+                              kv_budget=None))
     guard.reset(INFO)
     for t in range(1, 30):
         action, overrides = guard.check(PROPOSED, _stats(t, kv=0.99, tpot_p99=9.0,
                                                          recomputed=900))
         assert action.caps == PROPOSED.caps and not overrides
-        assert action.kv_budget_fraction is None
+    assert DecisionPipeline(guard.config).discipline == AdmissionDiscipline("fifo", None)
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))

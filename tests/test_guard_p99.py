@@ -48,15 +48,15 @@ def _guard(**kwargs: object) -> Guard:
 
 
 def test_total_cap_is_kept_and_uncapped_buckets_stay_unlimited_within_it() -> None:
-    guard = _guard(kv_budget=False)
+    guard = _guard(kv_budget=None)
     action, overrides = guard.check(TOTAL_64, _stats(1))
-    assert action == ControlAction((None,) * 4, FOUR, 64, None) and not overrides
+    assert action == ControlAction((None,) * 4, FOUR, 64) and not overrides
     # with the KV budget an uncapped bucket is capped at the total, so it passes the budget
     action, _ = _guard().check(TOTAL_64, _stats(1))
-    assert action == ControlAction((64,) * 4, FOUR, 64, 1.0, "peak")
+    assert action == ControlAction((64,) * 4, FOUR, 64)
     # no total: the original behaviour (an uncapped bucket gets the ladder max)
     action, _ = _guard().check(ControlAction((None, 8, None, 2), FOUR), _stats(1))
-    assert action == ControlAction((64, 8, 64, 2), FOUR, None, 1.0, "peak")
+    assert action == ControlAction((64, 8, 64, 2), FOUR, None)
     action, overrides = _guard(max_total_cap=128).check(ControlAction((None,) * 4, FOUR, 999),
                                                        None)
     assert action.max_num_seqs == 128 and overrides[0].rule == "sanitize"
@@ -71,7 +71,7 @@ def test_total_cap_is_kept_and_uncapped_buckets_stay_unlimited_within_it() -> No
 ])
 def test_every_limiting_rule_lowers_the_total(rule: str, kwargs: dict[str, object],
                                               stats: DeploymentStats, total: int) -> None:
-    guard = Guard(GuardConfig(**{"warmup": False, "kv_budget": False, **kwargs}))  # type: ignore[arg-type]
+    guard = Guard(GuardConfig(**{"warmup": False, "kv_budget": None, **kwargs}))  # type: ignore[arg-type]
     guard.reset(DeploymentInfo(**{**INFO.__dict__, "cold_start": True}))
     if rule == "kv_high":  # high for 10 s first
         for t in range(1, 10):

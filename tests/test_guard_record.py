@@ -11,6 +11,7 @@ import pytest
 from policies.artifact import ArtifactError, load_artifact
 from policies.ppo import PpoController, artifact_guard
 from rlbatch.control.action_codec import TOTAL_LADDER
+from rlbatch.control.discipline import KvBudget
 from rlbatch.control.guard import GuardConfig
 from rlbatch.control.guard_record import (
     GUARD_REVISION,
@@ -25,7 +26,8 @@ SHIPPED = Path(__file__).resolve().parents[1] / "policies"
 @pytest.mark.parametrize("config", [
     GuardConfig(),
     GuardConfig(ladder=TOTAL_LADDER, p99_surge_ratio=0.0, p99_metrics=("ttft", "tpot"),
-                p99_fallback="no_batching", max_seq_len=4096, kv_budget=False),
+                p99_fallback="no_batching", max_seq_len=4096, kv_budget=None),
+    GuardConfig(kv_budget=KvBudget(0.8, "final")),
 ])
 def test_record_round_trips_through_json(config: GuardConfig) -> None:
     record = json.loads(json.dumps(guard_record(config)))
@@ -42,13 +44,14 @@ def test_a_record_without_kv_commit_keeps_the_count_of_its_revision(
     record = guard_record(GuardConfig())
     del record["kv_commit"]
     record["revision"] = revision
-    assert guard_from_record(record).kv_commit == expected
+    budget = guard_from_record(record).kv_budget
+    assert budget is not None and budget.commit == expected
 
 
 def test_mismatch_names_each_difference() -> None:
     record = guard_record(GuardConfig(p99_surge_ratio=0.0))
     record["revision"] = GUARD_REVISION - 1
-    lines = record_mismatch(record, GuardConfig(kv_budget=False))
+    lines = record_mismatch(record, GuardConfig(kv_budget=None))
     assert lines == [
         f"guard revision {GUARD_REVISION - 1} recorded, this rlbatch's rules are revision "
         f"{GUARD_REVISION}",
@@ -112,4 +115,5 @@ def test_shipped_policies_record_the_guard_they_are_served_behind(artifact: str)
     # their EVAL.md figures are measured behind this rlbatch's rules (the peak KV budget)
     path = Path(__file__).resolve().parents[1] / artifact
     controller = PpoController(load_artifact(path))
-    assert controller.guard_warnings == [] and controller.guard.config.kv_commit == "peak"
+    assert controller.guard_warnings == []
+    assert controller.guard.config.kv_budget == KvBudget(1.0, "peak")

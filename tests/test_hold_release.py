@@ -15,6 +15,7 @@ from rlbatch.control.guard import GuardConfig
 from rlbatch.control.hold_release import (
     HOLD_RELEASE_FRACTION,
     RELEASE_TPOT_TOLERANCE,
+    HoldRelease,
     release_late_holds,
 )
 from rlbatch.control.types import SLA, ControlAction, DeploymentInfo, DeploymentStats, WindowStats
@@ -139,18 +140,15 @@ def test_a_wait_that_is_not_positive_raises(wait_s: float) -> None:
 
 def test_ppo_spec_sets_the_release() -> None:
     default = ppo_factory("policies/default")
-    assert default.hold_release == HOLD_RELEASE_FRACTION
-    assert ppo_factory("policies/default:release=0.25").hold_release == 0.25
+    assert default.pipeline.release == HoldRelease(HOLD_RELEASE_FRACTION, RELEASE_TPOT_TOLERANCE)
+    assert _release("policies/default:release=0.25") == (0.25, RELEASE_TPOT_TOLERANCE)
     off = ppo_factory("policies/default:release=off")
-    assert off.hold_release is None and off.name == "ppo:policies/default:release=off"
+    assert off.pipeline.release is None and off.name == "ppo:policies/default:release=off"
     for bad in ("release=0", "release=-1", "release=soon"):
         with pytest.raises(ValueError, match="release takes"):
             ppo_factory(f"policies/default:{bad}")
-    assert default.release_tpot == RELEASE_TPOT_TOLERANCE
-    both = ppo_factory("policies/default:release=0.25:release_tpot=inf")
-    assert (both.hold_release, both.release_tpot) == (0.25, math.inf)
-    either_order = ppo_factory("policies/default:release_tpot=1.5:release=0.75")
-    assert (either_order.hold_release, either_order.release_tpot) == (0.75, 1.5)
+    assert _release("policies/default:release=0.25:release_tpot=inf") == (0.25, math.inf)
+    assert _release("policies/default:release_tpot=1.5:release=0.75") == (0.75, 1.5)
     for bad in ("release_tpot=0.9", "release_tpot=fast", "release_tpot=nan"):
         with pytest.raises(ValueError, match="release_tpot takes"):
             ppo_factory(f"policies/default:{bad}")
@@ -162,10 +160,17 @@ def test_ppo_spec_sets_the_release() -> None:
         ppo_factory("policies/default:release=0.5:release=0.25")
     with pytest.raises(ValueError, match="does nothing with release=off"):
         ppo_factory("policies/default:release=off:release_tpot=2")
-    with pytest.raises(ValueError, match="release_tpot must be >= 1"):
-        PpoController(default.artifact, release_tpot=0.5)
-    with pytest.raises(ValueError, match="hold_release must be > 0"):
-        PpoController(default.artifact, hold_release=0.0)
+    with pytest.raises(ValueError, match="tpot_tolerance must be >= 1"):
+        PpoController(default.artifact, release=HoldRelease(tpot_tolerance=0.5))
+    with pytest.raises(ValueError, match="wait_fraction must be > 0"):
+        PpoController(default.artifact, release=HoldRelease(0.0))
+
+
+def _release(spec: str) -> tuple[float, float]:
+    """The hold release a ``ppo:`` spec sets: (wait fraction, TPOT tolerance)."""
+    release = ppo_factory(spec).pipeline.release
+    assert release is not None
+    return release.wait_fraction, release.tpot_tolerance
 
 
 @pytest.mark.parametrize("spec", ["release_tpot=1", "release_tpot=inf"])
@@ -180,11 +185,12 @@ def test_the_controller_releases_the_total_with_its_tolerance(
     engine = engine_stats(running=(4, 0, 0, 0), waiting=(3, 0, 0, 0))
     stats = replace(deployment_stats((engine,), n=4, win=window(4, ttft=0.5, tpot=0.11)),
                     oldest_unserved_s=5.0)  # TPOT 10% over its SLA, a request 5 s late
-    held = controller.propose(stats)
+    held = controller.pipeline.released(controller.propose(stats), stats)
     smallest = controller._held
     assert smallest is not None and smallest.max_num_seqs is not None
     assert smallest.max_num_seqs < controller.guard.config.max_cap
-    expected = (smallest.max_num_seqs if controller.release_tpot == 1.0
+    assert controller.pipeline.release is not None
+    expected = (smallest.max_num_seqs if controller.pipeline.release.tpot_tolerance == 1.0
                 else controller.guard.config.max_cap)
     assert held.max_num_seqs == expected
 
@@ -196,14 +202,15 @@ def test_env_releases_what_the_action_holds_exactly_when_a_queue_head_has_waited
     # that head was its own) and the total goes to 256, TPOT over its SLA or not.
     unguarded = GuardConfig(ladder=(4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256),
                             warmup=False, kv_high=False, p99=False, efficiency=False,
-                            kv_budget=False)
+                            kv_budget=None)
     kwargs = {"scenario": "day", "episode_s": 60.0, "drain_s": 20.0, "guard": unguarded,
               "action_kind": "total_share", "obs_version": 3, "load_scale": 6.0}
     action = np.array([3, 0, 0, 3, 0, 3, 0, 3, 0], dtype=np.int64)  # 16; 0-1k at 1/8
     in_force: dict[float | None, set[tuple[int | None, int | None]]] = {}
     released = {"cap": 0, "total": 0, "slow": 0, "in_engine": 0}
     for wait_s in (None, 1.0):
-        env = BatchSizeEnv(**kwargs, hold_release_s=wait_s)  # type: ignore[arg-type]
+        release = None if wait_s is None else HoldRelease(wait_s / SLA().ttft_s)
+        env = BatchSizeEnv(**kwargs, release=release)  # type: ignore[arg-type]
         env.reset(seed=3)
         seen: set[tuple[int | None, int | None]] = set()
         previous = None
@@ -220,7 +227,7 @@ def test_env_releases_what_the_action_holds_exactly_when_a_queue_head_has_waited
                 assert stats.action.max_num_seqs == (256 if late else 16)
                 released["cap"] += own
                 released["total"] += late
-                released["slow"] += late and not fast  # stops 24-26 held the total here
+                released["slow"] += late and not fast  # the earlier rule held the total here
                 released["in_engine"] += late and max(previous.oldest_wait_s) < wait_s
             previous = stats
         in_force[wait_s] = seen

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import pytest
@@ -11,6 +12,7 @@ from policies.mpc_candidates import Key, fair_keys, splits, trims, untrimmed
 from policies.mpc_score import rollout_score, score_rollout
 from rlbatch.control.action_codec import TOTAL_LADDER
 from rlbatch.control.controllers import make_controller
+from rlbatch.control.discipline import AdmissionDiscipline, KvBudget
 from rlbatch.control.types import ANY_POOL, SLA, ControlAction, DeploymentStats
 from rlbatch.engine.base import Engine
 from rlbatch.engine.stats import FinishedRequest
@@ -30,7 +32,14 @@ from rlbatch.tools.evaluate import EvalJob, run_jobs
 from rlbatch.workload import Workload, build_workload
 from tests.factories import BUCKETS, sim_engine
 
-CAPPED = ControlAction((2, None, 1), ("fp16",) * 3, 4, 0.8)
+CAPPED = ControlAction((2, None, 1), ("fp16",) * 3, 4)
+BUDGET = AdmissionDiscipline("fifo", KvBudget(0.8, "final"))
+
+
+def _capped(d: Deployment) -> None:
+    """Caps, a total and a KV budget of 0.8 of the pool in force on ``d``."""
+    d.admission.configure(BUDGET, math.inf)
+    d.apply(CAPPED)
 
 
 def _deployment() -> Deployment:
@@ -59,11 +68,12 @@ def _state(d: Deployment) -> tuple[object, ...]:
 def test_fork_runs_forward_exactly_like_the_original() -> None:
     d = _deployment()
     d.load(_requests())
-    d.apply(CAPPED)
+    _capped(d)
     d.run_until(1.0)
     _records(d)
     f = d.fork()
     assert _state(f) == _state(d)
+    assert f.admission.discipline == BUDGET and f.admission.kv_budget_fraction == 0.8
     d.run_until(6.0)
     f.run_until(6.0)
     assert _state(f) == _state(d)
@@ -75,7 +85,7 @@ def test_running_a_fork_never_changes_the_original() -> None:
     ref, d = _deployment(), _deployment()
     for x in (ref, d):
         x.load(_requests())
-        x.apply(CAPPED)
+        _capped(x)
         x.run_until(1.0)
     f = d.fork()
     f.load([Request(900 + i, 1.0 + 0.01 * i, 300, 50) for i in range(40)])

@@ -14,7 +14,12 @@ from policies.ppo import PpoController, ppo_factory
 from policies.rules import fixed_factory
 from rlbatch.buckets import Buckets
 from rlbatch.control.controllers import make_controller
-from rlbatch.control.queue_order import PPO_QUEUE_ORDER, check_queue_order, in_order
+from rlbatch.control.discipline import (
+    PPO_QUEUE_ORDER,
+    AdmissionDiscipline,
+    KvBudget,
+    check_queue_order,
+)
 from rlbatch.control.types import SLA, ControlAction, DeploymentInfo
 from rlbatch.engine.base import Engine
 from rlbatch.engine.sim import SimEngine
@@ -30,7 +35,7 @@ from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.serving.run import run
 from rlbatch.sidecar.control_tick import describe_action
 from rlbatch.workload.base import build_workload
-from tests.factories import BUCKETS, deployment_stats, engine_stats, sim_engine, window
+from tests.factories import BUCKETS, sim_engine
 
 MAX_LEN = 512
 LATE_AFTER_S = 2.0
@@ -42,9 +47,15 @@ def _one_engine(blocks: int = 64) -> tuple[Admission, SimEngine]:
     return Admission(engines, BUCKETS, MAX_LEN, AdmissionConfig()), engine
 
 
-def _order(caps: tuple[int | None, ...], late_after_s: float | None = LATE_AFTER_S,
-           budget: float | None = None) -> ControlAction:
-    return ControlAction(caps, ("fp16",) * 3, None, budget, "final", late_after_s)
+def _serve(adm: Admission, caps: tuple[int | None, ...],
+           late_after_s: float | None = LATE_AFTER_S, budget: float | None = None) -> None:
+    """Put ``caps`` in force under FIFO (``late_after_s=None``) or deadline order, with a KV
+    budget counting the final KV when ``budget`` is a fraction."""
+    kv_budget = None if budget is None else KvBudget(budget, "final")
+    order = "fifo" if late_after_s is None else "deadline"
+    adm.configure(AdmissionDiscipline(order, kv_budget),
+                  math.inf if late_after_s is None else late_after_s)
+    adm.apply(ControlAction(caps, ("fp16",) * 3))
 
 
 def _admitted(adm: Admission, submitted: int) -> list[int]:
@@ -58,7 +69,7 @@ def _admitted(adm: Admission, submitted: int) -> list[int]:
 def test_an_on_time_request_goes_before_late_ones_of_its_bucket(
         late_after_s: float | None, first: int) -> None:
     adm, engine = _one_engine()
-    adm.apply(_order((1, 1, 1), late_after_s))
+    _serve(adm, (1, 1, 1), late_after_s)
     for rid, arrival in enumerate((0.0, 0.5, 3.0, 3.5)):
         adm.submit(Request(rid, arrival, 10, 5))
     engine.advance_idle(4.0)  # requests 0 and 1 waited over 2 s: late; 2 and 3 on time
@@ -84,7 +95,7 @@ def _entry_order(adm: Admission, engine: SimEngine, monkeypatch: pytest.MonkeyPa
 def test_on_time_requests_go_before_older_late_ones_of_other_buckets(
         monkeypatch: pytest.MonkeyPatch) -> None:
     adm, engine = _one_engine()
-    adm.apply(_order((8, 8, 8)))
+    _serve(adm, (8, 8, 8))
     adm.submit(Request(0, 0.0, 10, 5))    # bucket 0, late at 4 s
     adm.submit(Request(1, 1.0, 200, 5))   # bucket 2, late
     adm.submit(Request(2, 2.5, 100, 5))   # bucket 1, on time
@@ -96,7 +107,7 @@ def test_on_time_requests_go_before_older_late_ones_of_other_buckets(
 
 def test_fifo_is_oldest_head_first_whatever_waited(monkeypatch: pytest.MonkeyPatch) -> None:
     adm, engine = _one_engine()
-    adm.apply(_order((8, 8, 8), None))
+    _serve(adm, (8, 8, 8), None)
     adm.submit(Request(0, 0.0, 10, 5))
     adm.submit(Request(1, 2.5, 100, 5))
     engine.advance_idle(4.0)
@@ -109,7 +120,7 @@ def test_deadline_order_gives_an_engine_no_more_than_it_runs_at_once(
     # max_num_seqs 8: under deadline order the other 4 wait in admission, in order, and stay
     # there until a request finishes (FIFO hands the engine all 12, as the caps allow)
     adm, engine = _one_engine(blocks=400)
-    adm.apply(_order((16, 16, 16), late_after_s))
+    _serve(adm, (16, 16, 16), late_after_s)
     for rid in range(12):
         adm.submit(Request(rid, 0.1 * rid, 10, 5))
     engine.advance_idle(1.2)
@@ -136,7 +147,7 @@ def test_under_deadline_order_uncapped_buckets_queue_and_the_engine_limit_holds(
     # behind it forever and the engine gets no more than its max_num_seqs (4)
     engine = sim_engine(0, "fp16", blocks=400, max_num_seqs=4)
     adm = Admission([engine], BUCKETS, MAX_LEN, AdmissionConfig())
-    adm.apply(_order((8, None, None), late_after_s))
+    _serve(adm, (8, None, None), late_after_s)
     assert adm.submit(Request(0, 0.0, 100, 5)) == outcome
     if late_after_s is None:
         return
@@ -160,25 +171,31 @@ def test_under_deadline_order_uncapped_buckets_queue_and_the_engine_limit_holds(
 def test_a_request_submitted_late_is_queued_in_arrival_order() -> None:
     # the sidecar sizes a prompt before submitting it, so submissions can be out of order
     adm, _ = _one_engine()
-    adm.apply(_order((1, 1, 1)))
+    _serve(adm, (1, 1, 1))
     for rid, arrival in ((0, 1.0), (1, 3.0), (2, 0.5), (3, 2.0)):
         assert adm.submit(Request(rid, arrival, 10, 5)) == Queued(0)
     assert [item[0].request_id for item in adm.queues[0]] == [2, 0, 3, 1]
 
 
 def test_an_sla_without_a_ttft_limit_has_no_late_requests() -> None:
+    adm, _ = _one_engine()
+    adm.configure(AdmissionDiscipline("deadline"), math.inf)
+    assert adm.late_after_s is None
+    adm.configure(AdmissionDiscipline("deadline"), 3.0)
+    assert adm.late_after_s == 3.0
+    adm.configure(AdmissionDiscipline("fifo"), 3.0)
+    assert adm.late_after_s is None
     action = ControlAction((8,) * 3, ("fp16",) * 3)
-    assert in_order(action, "deadline", SLA(ttft_s=math.inf)).late_after_s is None
-    assert in_order(action, "deadline", SLA(ttft_s=3.0)).late_after_s == 3.0
-    described = describe_action(in_order(action, "deadline", SLA()), ("a", "b", "c"))
+    described = describe_action(action, ("a", "b", "c"), AdmissionDiscipline("deadline"))
     assert described == "a=8@fp16 b=8@fp16 c=8@fp16 order=deadline"
+    assert describe_action(action, ("a", "b", "c")) == "a=8@fp16 b=8@fp16 c=8@fp16"
 
 
 # ---------------------------------------------------------------- the KV budget
 def test_the_budget_holds_the_on_time_request_and_says_when_it_turns_late() -> None:
     # 67 blocks, each request ends on 17 (65 + 200 tokens): three fit, the fourth is held.
     adm, engine = _one_engine(blocks=67)
-    adm.apply(_order((8, 8, 8), budget=1.0))
+    _serve(adm, (8, 8, 8), budget=1.0)
     for rid, arrival in enumerate((0.0, 0.2, 0.4, 0.6, 2.5)):
         adm.submit(Request(rid, arrival, 65, 200))
     engine.advance_idle(3.0)  # 0-3 late, 4 on time
@@ -197,14 +214,14 @@ def test_the_budget_holds_the_on_time_request_and_says_when_it_turns_late() -> N
 
 def test_an_on_time_arrival_may_go_before_a_late_request_the_budget_holds() -> None:
     adm, engine = _one_engine(blocks=67)
-    adm.apply(_order((8, 8, 8), budget=1.0))
+    _serve(adm, (8, 8, 8), budget=1.0)
     for rid in range(4):
         adm.submit(Request(rid, 0.0, 65, 200))
     engine.advance_idle(3.0)  # every one late
     adm.admit(engine)
     assert adm.budget_blocked and adm.blocked_late and adm.order_change_s == math.inf
     assert not adm.leaves_running(Request(9, 3.0, 65, 200), engine, True)
-    adm.apply(_order((8, 8, 8), None, budget=1.0))  # FIFO: the oldest waits first
+    _serve(adm, (8, 8, 8), None, budget=1.0)  # FIFO: the oldest waits first
     adm.admit(engine)
     assert adm.leaves_running(Request(9, 3.0, 65, 200), engine, True)
     assert not adm.blocked_late and adm.order_change_s == math.inf
@@ -217,10 +234,10 @@ def testturns_late_at_is_the_first_late_reading(arrival: float, late_after: floa
     assert not arrival < math.nextafter(turn, -math.inf) - late_after
 
 
-@pytest.mark.parametrize("bad", [-0.1, math.nan, math.inf])
-def test_a_bad_late_after_raises(bad: float) -> None:
-    with pytest.raises(ValueError, match="late_after_s"):
-        ControlAction((None,) * 3, ("fp16",) * 3, late_after_s=bad)
+@pytest.mark.parametrize("bad", ["lifo", "", "FIFO"])
+def test_a_bad_order_raises(bad: str) -> None:
+    with pytest.raises(ValueError, match="queue order must be one of"):
+        AdmissionDiscipline(bad)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- a whole run
@@ -250,24 +267,34 @@ INFO = DeploymentInfo(buckets=Buckets(), pools={"fp16": 1}, gpu="a100-80g", mode
                       tick_s=1.0, sla=SLA(ttft_s=1.5), capacity_rps=4.0)
 
 
-@pytest.mark.parametrize(("spec", "late_after_s"), [
-    ("ppo:policies/default", 1.5),
-    ("ppo:policies/default:order=deadline", 1.5),
-    ("ppo:policies/default:release=0.25:order=deadline", 1.5),
-    ("ppo:policies/default:order=fifo", None),
-    ("ppo:policies/default:release=off:order=fifo", None),
-    ("fixed:256", None),
-    ("fixed:256:order=deadline", 1.5),
-    ("fixed:64/64/8/8:nop99:order=deadline", 1.5),
-    ("playbook", None),
+@pytest.mark.parametrize(("spec", "order", "budget"), [
+    ("ppo:policies/default", "deadline", KvBudget()),
+    ("ppo:policies/default:order=deadline", "deadline", KvBudget()),
+    ("ppo:policies/default:release=0.25:order=deadline", "deadline", KvBudget()),
+    ("ppo:policies/default:order=fifo", "fifo", KvBudget()),
+    ("ppo:policies/default:release=off:order=fifo", "fifo", KvBudget()),
+    ("fixed:256", "fifo", KvBudget()),
+    ("fixed:256:order=deadline", "deadline", KvBudget()),
+    ("fixed:64/64/8/8:nop99:order=deadline", "deadline", KvBudget()),
+    ("fixed:64:nokv_budget:order=deadline", "deadline", None),
+    ("fixed:64:kv_budget=0.5:commit=final", "fifo", KvBudget(0.5, "final")),
+    ("playbook", "fifo", KvBudget(commit="final")),
+    ("mpc", "fifo", KvBudget()),
+    ("mpc:guard=0", "fifo", None),
+    ("static:64", "fifo", None),
+    ("vllm-default", "fifo", None),
 ])
-def test_controllers_set_the_order_after_the_guard(spec: str,
-                                                     late_after_s: float | None) -> None:
+def test_controllers_declare_their_discipline_and_a_run_puts_it_in_force(
+        spec: str, order: str, budget: KvBudget | None) -> None:
     controller = make_controller(spec)
-    assert controller.reset(INFO).late_after_s == late_after_s
-    stats = deployment_stats((engine_stats(running=(4, 0, 0, 0), waiting=(0,) * 4),), n=4,
-                             win=window(4))
-    assert controller.decide(stats).late_after_s == late_after_s
+    assert controller.discipline == AdmissionDiscipline(order, budget)  # type: ignore[arg-type]
+    seen = []
+    workload = build_workload([(0.1 * i, 300, 20, None) for i in range(20)], name="w",
+                              source="test")
+    spec_ = DeploymentSpec(sla=SLA(ttft_s=1.5))
+    run(workload, controller, spec_,
+        on_tick=lambda _: seen.append(0))
+    assert seen  # the run ticked (its admission was configured when the loop started)
 
 
 def test_order_options_are_checked() -> None:
@@ -286,11 +313,14 @@ def test_order_options_are_checked() -> None:
 @pytest.mark.parametrize(("order", "late_after_s"), [("fifo", None), ("deadline", 2.0)])
 def test_the_env_serves_its_queues_in_the_order_it_is_given(order: str,
                                                             late_after_s: float | None) -> None:
-    env = BatchSizeEnv(scenario="day", episode_s=20.0, drain_s=5.0, queue_order=order)
+    env = BatchSizeEnv(scenario="day", episode_s=20.0, drain_s=5.0,
+                       queue_order=order)  # type: ignore[arg-type]
     env.reset(seed=0)
-    assert env._loop is not None and env._loop.action.late_after_s == late_after_s
+    assert env._deployment is not None
+    assert env._deployment.admission.late_after_s == late_after_s
+    assert env._deployment.admission.discipline == env.pipeline.discipline
     env.step(env.action_space.sample())
-    assert env._last_stats is not None and env._last_stats.action.late_after_s == late_after_s
+    assert env._deployment.admission.late_after_s == late_after_s
     with pytest.raises(ValueError, match="queue order must be one of"):
         BatchSizeEnv(queue_order="lifo")
 

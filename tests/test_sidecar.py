@@ -30,6 +30,7 @@ from rlbatch.buckets import Buckets
 from rlbatch.commands.serve import add_arguments, controller_spec, settings_from_args
 from rlbatch.control.action_codec import ActionCodec
 from rlbatch.control.controllers import make_controller
+from rlbatch.control.discipline import KvBudget
 from rlbatch.control.guard import DEFAULT_LADDER
 from rlbatch.control.observation import observation_size
 from rlbatch.control.types import ControlAction
@@ -448,4 +449,4 @@ def test_fixed_policy_is_deterministic(tmp_path: Path) -> None:
                           {"fp16": 10, "fp8": 10}, 16, 1024, 1.0, SLA())
     action = ctl.reset(info)
     assert action.caps == (2, 4, 1, 8) and action.pools == ("fp16", "fp16", "fp8", "fp8")
-    assert action.kv_budget_fraction == 1.0  # the guard's KV budget rides along
+    assert ctl.discipline.kv_budget == KvBudget(1.0, "peak")  # the guard's KV budget

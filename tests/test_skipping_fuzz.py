@@ -1,9 +1,10 @@
 """Random small deployments, run with event skipping and request by request: every record,
 counter and rejection must agree (several engines sharing queues, caps, routes, KV budgets,
-prefix caching and host tiers, actions changing every tick)."""
+prefix caching and host tiers, actions and admission's discipline changing every tick)."""
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -11,6 +12,7 @@ from typing import Any, Literal
 import pytest
 
 from rlbatch.buckets import Buckets
+from rlbatch.control.discipline import AdmissionDiscipline, KvBudget
 from rlbatch.control.types import ANY_POOL, ControlAction
 from rlbatch.engine.base import kv_budget_exceeded
 from rlbatch.engine.config import EngineConfig
@@ -33,7 +35,9 @@ class _Case:
     requests: list[Request]
     pools: list[str]
     scales: dict[str, float]
-    actions: list[ControlAction]
+    actions: list[tuple[ControlAction, AdmissionDiscipline, float]]
+    """Per tick: the action, admission's discipline and the wait after which a queued
+    request is late under deadline order."""
     tick_s: float
 
 
@@ -71,15 +75,20 @@ def _case(seed: int, engines: int | None = None,
     routes = names + ([ANY_POOL] if len(names) > 1 else [])
     # its own draws, so the cases drawn before kv_commit existed are unchanged
     commits = random.Random(f"kv_commit-{seed}")
-    actions = [ControlAction(tuple(r.choice([None, 1, 2, 4, 8, 32]) for _ in range(4)),
-                             tuple(r.choice(routes) for _ in range(4)), None,
-                             r.choice([None, 0.3, 0.5, 0.7, 0.9, 1.0]),
-                             commits.choice(KV_COMMIT_MODES) if commit == "mixed" else commit)
-               for _ in range(2000)]
+    actions = []
+    for _ in range(2000):
+        action = ControlAction(tuple(r.choice([None, 1, 2, 4, 8, 32]) for _ in range(4)),
+                               tuple(r.choice(routes) for _ in range(4)))
+        fraction = r.choice([None, 0.3, 0.5, 0.7, 0.9, 1.0])
+        counts = commits.choice(KV_COMMIT_MODES) if commit == "mixed" else commit
+        budget = None if fraction is None else KvBudget(fraction, counts)
+        actions.append((action, AdmissionDiscipline("fifo", budget), math.inf))
     if deadline:  # its own draws, so the cases above stay as they were
         orders = random.Random(f"late_after-{seed}")
-        actions = [replace(a, late_after_s=orders.choice([None, 0.0, 0.05, 0.3, 1.0, 3.0]))
-                   for a in actions]
+        for k, (action, discipline, _) in enumerate(actions):
+            late_after_s = orders.choice([None, 0.0, 0.05, 0.3, 1.0, 3.0])
+            if late_after_s is not None:
+                actions[k] = (action, replace(discipline, order="deadline"), late_after_s)
     return _Case(config, link, blocks, requests, pools, scales, actions,
                  r.choice([0.25, 1.0]))
 
@@ -99,9 +108,10 @@ def _drive(case: _Case, skipping: bool) -> list[Any]:
         max_num_batched_tokens=case.config.max_num_batched_tokens, tick_s=case.tick_s)
     deployment.load(case.requests)
     seen: list[Any] = []
-    for k, action in enumerate(case.actions):
+    for k, (action, discipline, late_after_s) in enumerate(case.actions):
         if deployment.done():
             break
+        deployment.admission.configure(discipline, late_after_s)
         deployment.apply(action)
         deployment.run_until((k + 1) * case.tick_s)
         for snap in deployment.snapshot():

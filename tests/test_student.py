@@ -180,7 +180,8 @@ def test_starved_buckets_name_their_gap_in_requests() -> None:
 
 def test_mpc_teacher_exposes_its_proposal() -> None:
     teacher = make_controller("mpc")
-    assert hasattr(teacher, "last_proposal")
+    assert teacher.reports_proposals
+    assert not make_controller("playbook").reports_proposals
 
 
 def test_rate_multiplier_scales_every_protocol_run() -> None:

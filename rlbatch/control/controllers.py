@@ -1,4 +1,4 @@
-"""The Controller protocol, the built-in baseline controllers and the controller registry.
+"""The Controller base class, the built-in baseline controllers and the controller registry.
 
 Controllers living outside the core package (rule controllers and PPO in ``policies/``)
 register through the ``rlbatch.controllers`` entry-point group, so the core never imports
@@ -7,31 +7,86 @@ them: ``make_controller("playbook")`` finds them by name.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from importlib import metadata
-from typing import Protocol, runtime_checkable
+from typing import Any, ClassVar
 
+from rlbatch.control.discipline import PLAIN, AdmissionDiscipline
+from rlbatch.control.pipeline import DecisionPipeline
 from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats, balanced_route
 
 ENTRY_POINT_GROUP = "rlbatch.controllers"
 
+NO_GUARD_FLAGS: tuple[float, ...] = (0.0,) * 5
+"""The guard's activity flags of a controller without a guard (no rule ever fires)."""
 
-@runtime_checkable
-class Controller(Protocol):
-    """Chooses a ControlAction every control tick."""
+
+class Controller(ABC):
+    """Chooses a ControlAction every control tick.
+
+    Two methods are required (:meth:`reset`, :meth:`decide`); everything else is an optional
+    hook with a default that every caller may rely on:
+
+    * :attr:`discipline`: admission's queue order and KV budget for the run (default: FIFO,
+      no budget, a plain vLLM server);
+    * :attr:`pipeline`: the :class:`~rlbatch.control.pipeline.DecisionPipeline` (release and
+      guard) the controller's proposals go through, ``None`` for an unguarded one; its guard
+      gives :attr:`guard_overrides_total` and :meth:`guard_flags`;
+    * :meth:`bind`: take the run's digital twin (a simulated deployment's exact fork) before
+      :meth:`reset`, for controllers that plan with one (``mpc``);
+    * :meth:`row_extras`: fields the controller adds to its evaluation row;
+    * :attr:`last_proposal`: the action it proposed at its last decision, before its
+      pipeline, kept by a controller whose :attr:`reports_proposals` is true (a teacher of
+      the learned policy must be one).
+    """
 
     name: str
+    reports_proposals: ClassVar[bool] = False
+    last_proposal: ControlAction | None = None
 
+    @abstractmethod
     def reset(self, info: DeploymentInfo) -> ControlAction:
         """Start of a run: the action in force until the first tick."""
-        ...
 
+    @abstractmethod
     def decide(self, stats: DeploymentStats) -> ControlAction:
         """The action for the next tick, given the tick that just ended."""
-        ...
+
+    @property
+    def discipline(self) -> AdmissionDiscipline:
+        """Admission's discipline while this controller is in charge."""
+        pipeline = self.pipeline
+        return PLAIN if pipeline is None else pipeline.discipline
+
+    @property
+    def pipeline(self) -> DecisionPipeline | None:
+        """The decision pipeline behind the controller (``None``: unguarded)."""
+        return None
+
+    @property
+    def guard_overrides_total(self) -> int:
+        """Overrides the guard made so far in this run (0 without a guard)."""
+        pipeline = self.pipeline
+        return 0 if pipeline is None else pipeline.guard.overrides_total
+
+    def guard_flags(self) -> tuple[float, ...]:
+        """The guard's rule activity for the observation (:meth:`Guard.flags
+        <rlbatch.control.guard.Guard.flags>`; all 0 without a guard)."""
+        pipeline = self.pipeline
+        return NO_GUARD_FLAGS if pipeline is None else pipeline.guard.flags()
+
+    def bind(self, twin: Any) -> bool:
+        """Take the run's digital twin (:class:`rlbatch.serving.twin.Twin`); returns whether
+        the controller plans with it (default: it does not)."""
+        return False
+
+    def row_extras(self) -> dict[str, Any]:
+        """Fields added to the controller's evaluation row (default: none)."""
+        return {}
 
 
-class StaticController:
+class StaticController(Controller):
     """``static:N``: a fixed batch size, vLLM's ``--max-num-seqs N`` and nothing else.
 
     :param max_num_seqs: the batch size N.
@@ -55,7 +110,7 @@ class StaticController:
         return self._action
 
 
-class VllmDefaultController:
+class VllmDefaultController(Controller):
     """``vllm-default``: no admission control, vLLM's own default budgets."""
 
     name = "vllm-default"

@@ -52,21 +52,24 @@ Rules, applied in this order to the proposed caps (each only ever lowers a cap):
     ``efficiency_threshold`` (70%) shrinks caps (and the total) by ``efficiency_factor``.
 ``kv_budget``
     admission keeps the committed KV (each admitted request counted at prompt + the output
-    it is expected to reach, whole blocks; see :mod:`rlbatch.engine.reserve`; by default the
-    peak of their projection, below) within ``kv_budget_fraction`` of the KV pool (default
-    the whole pool). The guide's ">= 20%
-    headroom for context growth" is reserved per request here: a request is counted at a
-    high quantile of its bucket's recent outputs, and at twice what it has generated once
-    it runs longer, so the admitted set rarely outgrows the pool. A flat 80% on top of that
-    reserved the growth twice and cost up to 40% goodput at the knee (BENCHMARKS.md, issue
-    14). The engines can count the declared ``max_tokens`` instead (``declared``: exact, but
-    clients that send none or a generous one starve the pool) or, in a trace replay, the
-    real output (``oracle``, a bound for comparisons); ``kv_high`` still watches the usage
-    itself. By default (``kv_commit="peak"``) the budget holds the peak of the projected KV,
-    not the sum of the counts: a request about to finish and one just admitted never hold
-    their full KV at once. Counting the sum (``final``, the rule before guard revision 9)
-    held an FP16 engine to 74-84 requests in held-back Azure's opening surge where vLLM
-    alone runs 121-141 (BENCHMARKS.md, issue 14, stop 20).
+    it is expected to reach, whole blocks; see :mod:`rlbatch.engine.reserve`) within
+    ``kv_budget.fraction`` of the KV pool (default the whole pool). The budget is a setting
+    of admission for the whole run (:class:`~rlbatch.control.discipline.KvBudget`, its one
+    home); the guard states it (:class:`~rlbatch.control.pipeline.DecisionPipeline.
+    discipline`), counts the ticks it held a request back and, under a total, caps uncapped
+    buckets at the total so that their requests go through admission and its budget. The
+    guide's ">= 20% headroom for context growth" is reserved per request here: a request is
+    counted at a high quantile of its bucket's recent outputs, and at twice what it has
+    generated once it runs longer, so the admitted set rarely outgrows the pool. A flat 80%
+    on top of that reserved the growth twice and cost up to 40% goodput at the knee
+    (BENCHMARKS.md). The engines can count the declared ``max_tokens`` instead
+    (``declared``: exact, but clients that send none or a generous one starve the pool) or,
+    in a trace replay, the real output (``oracle``, a bound for comparisons); ``kv_high``
+    still watches the usage itself. By default (``commit="peak"``) the budget holds the peak
+    of the projected KV, not the sum of the counts: a request about to finish and one just
+    admitted never hold their full KV at once. Counting the sum (``final``) held an FP16
+    engine to 74-84 requests in held-back Azure's opening surge where vLLM alone runs
+    121-141 (BENCHMARKS.md).
 
 ``max_seq_len`` truncation / rejection is enforced at admission (``GuardConfig.max_seq_len``
 and ``over_length`` feed the deployment's ``max_model_len``); truncated and rejected requests
@@ -80,9 +83,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rlbatch.control.discipline import DEFAULT_KV_BUDGET, KvBudget
 from rlbatch.control.p99_trim import ProportionalTrim, nominal_lengths
 from rlbatch.control.types import ANY_POOL, ControlAction, DeploymentInfo, DeploymentStats
-from rlbatch.engine.reserve import KvCommitMode, check_kv_commit
 
 DEFAULT_LADDER: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 RULES: tuple[str, ...] = ("sanitize", "warmup", "kv_high", "p99", "efficiency", "kv_budget")
@@ -122,15 +125,11 @@ class GuardConfig:
         its arrival rate over the last ~30 ticks above this multiple of its rate over the
         last ~600 (0: whenever it is long). Long prompts that are a steady part of the
         traffic are served as a static cap would serve them: trimming them only trades their
-        SLA for the short buckets' (BENCHMARKS.md, issue 14, stop 8).
+        SLA for the short buckets' (BENCHMARKS.md).
     :param efficiency: enable the batch-efficiency monitor.
     :param efficiency_threshold: efficiency below which caps shrink.
     :param efficiency_factor: multiplier applied to the caps in force.
-    :param kv_budget: enable the committed-KV admission budget.
-    :param kv_budget_fraction: fraction of the KV pool committed KV may use.
-    :param kv_commit: what the budget compares with that fraction: ``peak`` (the peak of
-        the projected KV: decoding requests free theirs as they finish) or ``final`` (every
-        request at its count for as long as it runs, the rule before revision 9).
+    :param kv_budget: the committed-KV admission budget (``None``: off).
     :param max_seq_len: longest prompt + output admitted (``None``: the model's context).
     :param over_length: ``truncate`` or ``reject`` requests longer than ``max_seq_len``.
     """
@@ -157,9 +156,7 @@ class GuardConfig:
     efficiency: bool = True
     efficiency_threshold: float = 0.7
     efficiency_factor: float = 0.75
-    kv_budget: bool = True
-    kv_budget_fraction: float = 1.0
-    kv_commit: KvCommitMode = "peak"
+    kv_budget: KvBudget | None = DEFAULT_KV_BUDGET
     max_seq_len: int | None = None
     over_length: Literal["truncate", "reject"] = "truncate"
 
@@ -179,10 +176,8 @@ class GuardConfig:
                              f"{self.warmup_start_cap}, {self.warmup_step}")
         if not 0 < self.kv_high_threshold <= 1:
             raise ValueError(f"kv_high_threshold must be in (0, 1], got {self.kv_high_threshold}")
-        if not 0 < self.kv_budget_fraction <= 1:
-            raise ValueError(f"kv_budget_fraction must be in (0, 1], got "
-                             f"{self.kv_budget_fraction}")
-        check_kv_commit(self.kv_commit)
+        if self.kv_budget is not None and not isinstance(self.kv_budget, KvBudget):
+            raise ValueError(f"kv_budget must be a KvBudget or None, got {self.kv_budget!r}")
         if not 0 <= self.efficiency_threshold <= 1 or not 0 < self.efficiency_factor <= 1:
             raise ValueError(f"efficiency threshold must be in [0, 1] and factor in (0, 1], got "
                              f"{self.efficiency_threshold}, {self.efficiency_factor}")
@@ -294,9 +289,7 @@ class Guard:
         """Safe caps when no observation can be had (e.g. a metrics scrape failed)."""
         cfg = self.config
         cap = max(1, min(cfg.warmup_start_cap, cfg.max_cap))
-        return ControlAction((cap,) * self._n_buckets, (self._pools[0],) * self._n_buckets,
-                             None, cfg.kv_budget_fraction if cfg.kv_budget else None,
-                             cfg.kv_commit if cfg.kv_budget else "final")
+        return ControlAction((cap,) * self._n_buckets, (self._pools[0],) * self._n_buckets)
 
     def check(self, proposed: ControlAction | None,
               stats: DeploymentStats | None) -> tuple[ControlAction, list[Override]]:
@@ -333,21 +326,19 @@ class Guard:
             if cfg.efficiency:
                 caps, total = self._efficiency(stats, caps, total, in_force, in_total,
                                                overrides)
-            self.state.kv_budget_blocked = bool(stats.kv_budget_blocked) and cfg.kv_budget
+            self.state.kv_budget_blocked = (bool(stats.kv_budget_blocked)
+                                            and cfg.kv_budget is not None)
             if self.state.kv_budget_blocked:
                 overrides.append(Override("kv_budget", None, None, None))
 
         for o in overrides:
             self.state.counts[o.rule] += 1
-        budget = cfg.kv_budget_fraction if cfg.kv_budget else None
-        if budget is not None and total is not None:
+        if cfg.kv_budget is not None and total is not None:
             # Uncapped buckets would go straight into the engines, past the KV budget: cap
             # them at the total instead (the same limit, through admission and its budget).
             caps = [total if c is None else c for c in caps]
         assert len(caps) == n
-        # what the budget counts matters only with a budget (one action for "no budget")
-        commit = cfg.kv_commit if budget is not None else "final"
-        return ControlAction(tuple(caps), tuple(pools), total, budget, commit), overrides
+        return ControlAction(tuple(caps), tuple(pools), total), overrides
 
     # ------------------------------------------------------------------ rules
     def _sanitize(self, proposed: ControlAction | None,

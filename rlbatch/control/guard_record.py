@@ -1,16 +1,18 @@
 """What a policy artifact records of the guard it is served behind, and the check at serving.
 
 A policy learns to act through the guard: the guard's rules are part of the environment it
-was trained in, and its figures hold behind the guard they were measured behind only. Issue
-14 (stop 8) changed the P99 rule, and the two-pool policy trained behind the previous rule
-fell from 1.03x to 0.76x the best static without anything saying so. The artifact therefore
+was trained in, and its figures hold behind the guard they were measured behind only. When
+the P99 rule changed, the two-pool policy trained behind the previous rule fell from 1.03x
+to 0.76x the best static without anything saying so. The artifact therefore
 records the guard's configuration and :data:`GUARD_REVISION` (written at training, the
 guard it was trained and selected behind); serving rebuilds that configuration and warns
 when the guard in force differs from it. An artifact re-measured behind a later guard
-records that guard, and the one it was trained behind under ``guard_trained`` (stop 20).
+records that guard, and the one it was trained behind under ``guard_trained``.
 
-A record from before revision 9 has no ``kv_commit``: its KV budget counted the sum of the
-counts, so it is rebuilt with ``kv_commit="final"``, not today's default.
+A record whose revision is under 9 has no ``kv_commit``: its KV budget counted the sum of the
+counts, so it is rebuilt with ``kv_commit="final"``, not today's default. A record spells the
+KV budget as three flat keys (``kv_budget``, ``kv_budget_fraction``, ``kv_commit``), as every
+shipped artifact does; :class:`~rlbatch.control.discipline.KvBudget` is what they become.
 """
 
 from __future__ import annotations
@@ -18,13 +20,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import fields
 
+from rlbatch.control.discipline import KvBudget
 from rlbatch.control.guard import GuardConfig
 
 GUARD_REVISION = 10
 """Bumped whenever a rule behaves differently under the same configuration (8: the P99 trim
-serves a steady share of long prompts, BENCHMARKS.md issue 14, stop 8; 9: the KV budget holds
-the peak of the projected KV, ``kv_commit``, stop 20; 10: the P99 trim's "the batch is too
-slow" test reads the mean step weighted by iterations, not the mean of each tick's, stop 25)."""
+serves a steady share of long prompts; 9: the KV budget holds the peak of the projected KV,
+``kv_commit``; 10: the P99 trim's "the batch is too slow" test reads the mean step weighted
+by iterations, not the mean of each tick's). CHANGELOG.md has the history."""
+
+
+_BUDGET_KEYS = ("kv_budget", "kv_budget_fraction", "kv_commit")
+"""How a record spells the KV budget (:class:`~rlbatch.control.discipline.KvBudget`): the
+flat keys every shipped artifact carries, so records stay readable both ways."""
 
 
 def guard_record(config: GuardConfig) -> dict[str, object]:
@@ -32,6 +40,11 @@ def guard_record(config: GuardConfig) -> dict[str, object]:
     record: dict[str, object] = {}
     for f in fields(config):
         value = getattr(config, f.name)
+        if f.name == "kv_budget":
+            budget = value or KvBudget()
+            record.update(kv_budget=value is not None, kv_budget_fraction=budget.fraction,
+                          kv_commit=budget.commit)
+            continue
         record[f.name] = list(value) if isinstance(value, tuple) else value
     record["revision"] = GUARD_REVISION
     return record
@@ -40,21 +53,28 @@ def guard_record(config: GuardConfig) -> dict[str, object]:
 def guard_from_record(record: Mapping[str, object]) -> GuardConfig:
     """The configuration :func:`guard_record` wrote (``revision`` aside: see
     :func:`record_mismatch`); a field missing from the record takes its default, except
-    ``kv_commit`` before revision 9 (``final``, the rule then).
+    ``kv_commit`` in a record whose revision is under 9 (``final``, the rule then).
 
     :param record: the recorded dict.
     :raises ValueError: a field this version does not know, or an invalid value.
     """
-    known = {f.name for f in fields(GuardConfig)}
+    known = {f.name for f in fields(GuardConfig)} | set(_BUDGET_KEYS)
     unknown = sorted(set(record) - known - {"revision"})
     if unknown:
         raise ValueError(f"the recorded guard has fields this rlbatch does not know: {unknown} "
                          f"(written by a newer version?)")
     values = {k: tuple(v) if isinstance(v, list) else v
-              for k, v in record.items() if k in known}
+              for k, v in record.items() if k in known and k not in _BUDGET_KEYS}
+    default = KvBudget()
+    commit = record.get("kv_commit", default.commit)
     revision = record.get("revision")
-    if "kv_commit" not in values and isinstance(revision, int) and revision < 9:
-        values["kv_commit"] = "final"  # the only count before revision 9
+    if "kv_commit" not in record and isinstance(revision, int) and revision < 9:
+        commit = "final"  # the only count under revisions before 9
+    fraction = record.get("kv_budget_fraction", default.fraction)
+    if not isinstance(fraction, int | float) or isinstance(fraction, bool):
+        raise ValueError(f"kv_budget_fraction must be a number, got {fraction!r}")
+    values["kv_budget"] = (KvBudget(float(fraction), commit)  # type: ignore[arg-type]
+                           if record.get("kv_budget", True) else None)
     return GuardConfig(**values)  # type: ignore[arg-type]
 
 

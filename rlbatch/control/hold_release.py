@@ -22,12 +22,12 @@ starves the bucket, which the must-checks forbid. So, on every tick:
   counts the requests it has not forwarded (admission queues and what the total holds at each
   upstream), so behind the sidecar a long prefill alone does not release the total.
 
-  Why not only while TPOT is within its SLA (stops 24-26): a total cut while TPOT P99 is a
+  Why not only while TPOT is within its SLA (an earlier rule): a total cut while TPOT P99 is a
   little over the SLA turns the requests it holds into certain TTFT misses, for a TPOT gain
   the 30 s window barely shows. On A100 / Llama-3.1-8B, held-back Azure at 1.28, seed 0 cut
   the total from 256 to 64-96 for 20 s while the window's TPOT P99 read 0.122-0.129 s (SLA
   0.1 s; ``static:256``'s over the same seconds: 0.125-0.129 s), and over the run 383
-  requests missed their TTFT against ``static:256``'s 102 (BENCHMARKS.md, issue 14, stop 27).
+  requests missed their TTFT against ``static:256``'s 102 (BENCHMARKS.md).
   TPOT breaches belong to the guard's P99 rule, which applies after this release.
 
 The policy's next proposal applies again once the queue heads are younger. Every rule of the
@@ -38,20 +38,42 @@ what is released stays memory-safe.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from rlbatch.control.types import ControlAction, DeploymentStats
 
 HOLD_RELEASE_FRACTION = 0.5
 """The default wait, as a fraction of the SLA's TTFT: a held request's queue head may wait half
 of it (``ppo:PATH`` and the recipe's fine-tuning env). Set before it was measured
-(BENCHMARKS.md, issue 14, stop 24)."""
+(BENCHMARKS.md)."""
 
 
 RELEASE_TPOT_TOLERANCE = math.inf
 """The total is released unless the window's TPOT P99 is over this multiple of the SLA's TPOT:
-``inf`` (stop 27), whatever it is; 1 was stops 24-26's rule (``ppo:PATH:release_tpot=1``).
-Chosen on the training traffic only (BENCHMARKS.md, issue 14, stop 27)."""
+``inf``, whatever it is; 1 holds the total while TPOT P99 is over its SLA (the earlier rule).
+Chosen on the training traffic only (BENCHMARKS.md)."""
+
+
+@dataclass(frozen=True)
+class HoldRelease:
+    """When held-back work is released, relative to the SLA in force (so one setting serves
+    any SLA, in training and in serving alike).
+
+    :param wait_fraction: a held queue head may wait this fraction of the SLA's TTFT (> 0).
+    :param tpot_tolerance: the total is released unless the window's TPOT P99 is over this
+        multiple of the SLA's TPOT (>= 1; ``math.inf``: whatever TPOT is).
+    """
+
+    wait_fraction: float = HOLD_RELEASE_FRACTION
+    tpot_tolerance: float = RELEASE_TPOT_TOLERANCE
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.wait_fraction) and self.wait_fraction > 0):
+            raise ValueError(f"hold release wait_fraction must be > 0 (a fraction of the SLA's "
+                             f"TTFT), got {self.wait_fraction}")
+        if not self.tpot_tolerance >= 1.0:
+            raise ValueError(f"hold release tpot_tolerance must be >= 1 (a multiple of the "
+                             f"SLA's TPOT), got {self.tpot_tolerance}")
 
 
 def release_late_holds(action: ControlAction, stats: DeploymentStats | None, *,

@@ -7,12 +7,10 @@ and their registry are in :mod:`rlbatch.control.controllers`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from rlbatch.buckets import Buckets
-from rlbatch.engine.reserve import KvCommitMode, check_kv_commit
 from rlbatch.engine.stats import EngineStats, FinishedRequest, batch_efficiency
 from rlbatch.frozen import quick_init
 
@@ -36,7 +34,9 @@ def balanced_route(pool_names: tuple[str, ...] | list[str]) -> str:
 
 @dataclass(frozen=True)
 class ControlAction:
-    """What a controller sets at a control tick.
+    """What a controller sets at a control tick: caps, routes and the total. How admission
+    serves its queues (their order, the KV budget) is its discipline for the whole run
+    (:mod:`rlbatch.control.discipline`), not part of an action.
 
     :param caps: per bucket, the most requests of that bucket an engine may hold (running or
         waiting inside it); ``None`` = no admission control for that bucket (requests go
@@ -45,29 +45,11 @@ class ControlAction:
         :data:`ANY_POOL`: the least-loaded engine of any pool.
     :param max_num_seqs: engine-wide cap on running sequences (vLLM ``--max-num-seqs``;
         live: the scheduler's ``max_num_active_reqs``); ``None`` keeps the engine default.
-    :param kv_budget_fraction: admit a request into an engine only while the KV its
-        requests are counted at (prompt + expected output, committed; as ``kv_commit`` says)
-        stays within this fraction of the KV pool; an empty engine always takes its oldest
-        request. ``None`` = no budget. Set by the guard's KV-budget rule.
-    :param kv_commit: what that budget compares with its limit: ``final`` (every request at
-        its count while it runs) or ``peak`` (the peak of the projected KV, decoding
-        requests freeing theirs as they finish; :mod:`rlbatch.engine.reserve`).
-    :param late_after_s: the order of admission's queues. ``None``: FIFO. A number (the SLA's
-        TTFT): deadline order, a queued request that has waited longer than this (it can no
-        longer meet its TTFT) is admitted after every queued request that has not, oldest
-        first within each class, and an engine is given no more requests than it runs at
-        once (``max_num_seqs``), so that the waiting happens in admission's queues, where
-        the order applies; buckets without a cap queue too. The order drops nothing (a
-        queue bound or a queue timeout refuses as in FIFO, and now counts the requests an
-        engine's own queue would have held).
     """
 
     caps: tuple[int | None, ...]
     pools: tuple[str, ...]
     max_num_seqs: int | None = None
-    kv_budget_fraction: float | None = None
-    kv_commit: KvCommitMode = "final"
-    late_after_s: float | None = None
 
     def __post_init__(self) -> None:
         if len(self.caps) != len(self.pools):
@@ -78,14 +60,6 @@ class ControlAction:
                 raise ValueError(f"bucket caps must be >= 1 or None, got {self.caps}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1 or None, got {self.max_num_seqs}")
-        if self.kv_budget_fraction is not None and not 0 < self.kv_budget_fraction <= 1:
-            raise ValueError(f"kv_budget_fraction must be in (0, 1] or None, got "
-                             f"{self.kv_budget_fraction}")
-        check_kv_commit(self.kv_commit)
-        if self.late_after_s is not None and not (math.isfinite(self.late_after_s)
-                                                  and self.late_after_s >= 0):
-            raise ValueError(f"late_after_s must be a finite number >= 0 or None, got "
-                             f"{self.late_after_s}")
 
 
 @dataclass(frozen=True)

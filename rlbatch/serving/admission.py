@@ -3,8 +3,10 @@
 A request waits in its bucket's queue (kept in arrival order) until an engine of the bucket's
 pool holds fewer of that bucket's requests than the bucket's cap; admission runs at every
 engine iteration (as vLLM's scheduler admits at every step), so a finished request frees its
-slot at once. Queues are served oldest first, or in deadline order when the action asks
-(:attr:`ControlAction.late_after_s <rlbatch.control.types.ControlAction>`). Buckets without a
+slot at once. How the queues are served for a whole run is admission's discipline
+(:class:`~rlbatch.control.discipline.AdmissionDiscipline`, set by :meth:`Admission.configure`
+when a run starts): oldest first or in deadline order, with or without a KV budget. Buckets
+without a
 cap (``None``) pass straight through to the least-loaded engine's own FIFO queue (under
 deadline order they wait in their queue too, so that the order and the engines' limit apply
 to every request); their queue bound counts the bucket's requests waiting inside the pool's
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from rlbatch.buckets import Buckets
+from rlbatch.control.discipline import PLAIN, AdmissionDiscipline
 from rlbatch.control.types import ANY_POOL, ControlAction
 from rlbatch.engine.base import Engine
 from rlbatch.engine.fork import fork_state
@@ -150,9 +153,11 @@ class Admission:
         self.budget_blocked = False
         """The last :meth:`admit` stopped at a request the KV budget held back (not because
         nothing was eligible)."""
+        self.discipline = PLAIN
+        """The discipline in force (:meth:`configure`)."""
         self.late_after_s: float | None = None
-        """The action's queue order: ``None`` FIFO, else deadline order
-        (:attr:`ControlAction.late_after_s <rlbatch.control.types.ControlAction>`)."""
+        """The queue order in force: ``None`` FIFO, else deadline order, a request that has
+        waited longer than this (the SLA's TTFT) being late."""
         self.blocked_late = False
         """Under deadline order, the request the KV budget held back at the last
         :meth:`admit` was late: any on-time arrival would go before it."""
@@ -165,10 +170,27 @@ class Admission:
         engine since the previous :meth:`take_accepted`, while a list (the control loop's
         TTFT-deadline accounting sets one); ``None``: not recorded."""
 
+    def configure(self, discipline: AdmissionDiscipline, sla_ttft_s: float) -> None:
+        """Put a discipline in force: the order of the queues and the KV budget, for the run.
+
+        :param discipline: the order and the KV budget.
+        :param sla_ttft_s: the SLA's TTFT, after which a queued request is late under
+            deadline order (an SLA without a TTFT limit has no late request: FIFO).
+        """
+        self.discipline = discipline
+        budget = discipline.kv_budget
+        self.kv_budget_fraction = None if budget is None else budget.fraction
+        self.kv_commit = "final" if budget is None else budget.commit
+        self.late_after_s = (sla_ttft_s if discipline.order == "deadline"
+                             and math.isfinite(sla_ttft_s) else None)
+        if self.late_after_s is None:  # only deadline order's admit sets them
+            self.order_change_s = math.inf
+            self.blocked_late = False
+
     def apply(self, action: ControlAction) -> None:
         """Put a (guarded) action in force.
 
-        :param action: caps, routes, KV budget and engine-wide cap.
+        :param action: caps, routes and engine-wide cap.
         """
         if len(action.caps) != len(self.buckets):
             raise ValueError(f"action has {len(action.caps)} caps, deployment has "
@@ -179,12 +201,6 @@ class Admission:
                                  f"{sorted(self.pools)}")
         self.caps = action.caps
         self.routes = action.pools
-        self.kv_budget_fraction = action.kv_budget_fraction
-        self.kv_commit = action.kv_commit
-        self.late_after_s = action.late_after_s
-        if action.late_after_s is None:  # only deadline order's admit sets them
-            self.order_change_s = math.inf
-            self.blocked_late = False
         if action.max_num_seqs is not None:
             for eng in self.engines:
                 eng.set_max_num_seqs(action.max_num_seqs)

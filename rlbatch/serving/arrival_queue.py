@@ -1,6 +1,5 @@
 """Admission's queues in arrival order: where the on-time requests start, and when a request
-turns late (deadline order, :attr:`ControlAction.late_after_s
-<rlbatch.control.types.ControlAction>`)."""
+turns late (deadline order, :mod:`rlbatch.control.discipline`)."""
 
 from __future__ import annotations
 

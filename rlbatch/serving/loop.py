@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from operator import attrgetter
 from typing import Any, Protocol, runtime_checkable
 
+from rlbatch.control.discipline import PLAIN, AdmissionDiscipline
 from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats
 from rlbatch.engine.stats import EngineStats, FinishedRequest
 from rlbatch.request import Request
@@ -70,6 +71,8 @@ class ControlLoop:
     :param requests: arrivals sorted by time, replayed by the source; ``None`` when requests
         reach admission by themselves (the sidecar's handlers submit them).
     :param initial_action: the action in force until the first decision.
+    :param discipline: admission's discipline for the run (queue order, KV budget), put in
+        force here (:attr:`Controller.discipline <rlbatch.control.controllers.Controller>`).
     :param window_s: sliding window of the latency percentiles in the stats.
     :param drain_s: how long after the last arrival a replay may go on.
     :param keep_records: keep every finished and rejected request for :meth:`summary`
@@ -82,7 +85,8 @@ class ControlLoop:
     """
 
     def __init__(self, source: ServingSource, requests: Sequence[Request] | None,
-                 initial_action: ControlAction, *, window_s: float = 30.0,
+                 initial_action: ControlAction, *,
+                 discipline: AdmissionDiscipline = PLAIN, window_s: float = 30.0,
                  drain_s: float = 600.0, keep_records: bool = True,
                  track_deadlines: bool | None = None) -> None:
         self.source = source
@@ -112,6 +116,7 @@ class ControlLoop:
         if track_deadlines:
             self.deadlines = DeadlineTracker(len(self.info.buckets), self.info.sla.ttft_s)
             source.admission.accepted = []
+        source.admission.configure(discipline, self.info.sla.ttft_s)
         self.action = initial_action
         source.apply(initial_action)
         self.ticks = 0

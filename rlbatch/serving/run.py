@@ -15,7 +15,7 @@ from rlbatch.engine.stats import FinishedRequest
 from rlbatch.serving.builders import build_deployment
 from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.serving.loop import ControlLoop
-from rlbatch.serving.twin import DeploymentTwin, bind_twin, can_fork
+from rlbatch.serving.twin import DeploymentTwin, can_fork
 from rlbatch.workload import Workload
 
 TickCallback = Callable[[DeploymentStats], None]
@@ -69,12 +69,13 @@ def run(
     """Drive ``controller`` over ``workload`` on a fresh deployment built from ``spec``.
 
     Every control tick (``spec.tick_s`` of engine time) the engines' stats are snapshotted,
-    the controller decides, and its action is applied. A controller with a ``bind`` hook
-    (``mpc``) is first given the exact fork of the simulated deployment as its digital twin
-    (:class:`~rlbatch.serving.twin.DeploymentTwin`); its ``row_extras()``, if any, join the
-    row. The run ends when every request has
-    finished or been rejected, or ``drain_s`` after the last arrival (what is left counts as
-    unfinished, against SLA attainment).
+    the controller decides, and its action is applied; admission serves under the
+    controller's discipline. A simulated deployment's exact fork is offered to the
+    controller as its digital twin (:meth:`Controller.bind
+    <rlbatch.control.controllers.Controller.bind>`, :class:`~rlbatch.serving.twin.
+    DeploymentTwin`: ``mpc`` plans with it); its ``row_extras()`` join the row. The run
+    ends when every request has finished or been rejected, or ``drain_s`` after the last
+    arrival (what is left counts as unfinished, against SLA attainment).
 
     :param workload: the arrivals.
     :param controller: the controller under test.
@@ -87,9 +88,9 @@ def run(
     wall_start = time.perf_counter()
     deployment = build_deployment(spec)
     if can_fork(deployment):
-        bind_twin(controller, DeploymentTwin(deployment))
+        controller.bind(DeploymentTwin(deployment))
     loop = ControlLoop(deployment, workload.requests, controller.reset(deployment.info),
-                       window_s=window_s, drain_s=drain_s)
+                       discipline=controller.discipline, window_s=window_s, drain_s=drain_s)
     try:
         with _rare_collections() if spec.engine == "sim" else nullcontext():
             while True:
@@ -111,10 +112,8 @@ def run(
         "pools": ",".join(f"{p}:{n}" for p, n in info.pools.items()),
     }
     row.update(loop.summary())
-    row["guard_overrides"] = int(getattr(controller, "guard_overrides_total", 0))
-    extras = getattr(controller, "row_extras", None)
-    if callable(extras):
-        row.update(extras())
+    row["guard_overrides"] = controller.guard_overrides_total
+    row.update(controller.row_extras())
     row["wall_seconds"] = time.perf_counter() - wall_start
     row["speedup_x"] = row["sim_seconds"] / row["wall_seconds"] if row["wall_seconds"] > 0 else 0.0
     return RunResult(row=row, records=loop.records)

@@ -2,9 +2,9 @@
 
 A model-predictive controller asks its twin for a simulated deployment in the current state
 whose future arrivals are a stream it chooses (a replay of what it observed), rolls candidate
-actions forward on copies of it and keeps the best. The :class:`~rlbatch.control.controllers.
-Controller` protocol does not change: a controller that wants a twin has an optional
-``bind(twin)`` method, which whoever runs it calls (:func:`bind_twin`) before ``reset``.
+actions forward on copies of it and keeps the best. A controller that wants a twin overrides
+the optional hook :meth:`Controller.bind <rlbatch.control.controllers.Controller.bind>`,
+which whoever runs it calls before ``reset``.
 
 Two twins:
 
@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from rlbatch.control.discipline import PLAIN, AdmissionDiscipline
 from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats
 from rlbatch.engine.stats import FinishedRequest
 from rlbatch.request import Request
@@ -57,20 +58,6 @@ class Twin(Protocol):
         """A simulated deployment in the state at ``now_s`` whose future arrivals are
         ``arrivals`` (sorted by time); each call returns an independent copy."""
         ...
-
-
-def bind_twin(controller: object, twin: Twin) -> bool:
-    """Give ``controller`` its twin if it has a ``bind`` hook.
-
-    :param controller: any controller.
-    :param twin: the twin of the deployment it will control.
-    :returns: whether the controller took it.
-    """
-    hook = getattr(controller, "bind", None)
-    if not callable(hook):
-        return False
-    hook(twin)
-    return True
 
 
 def can_fork(deployment: Deployment) -> bool:
@@ -234,14 +221,16 @@ class Rollout:
 
 
 def roll_out(twin: Deployment, action: ControlAction, start_s: float,
-             end_s: float) -> Rollout:
+             end_s: float, discipline: AdmissionDiscipline = PLAIN) -> Rollout:
     """Run a forked deployment under ``action`` until ``end_s`` (the twin is consumed).
 
     :param twin: a fork (:meth:`Twin.fork`).
     :param action: the (guarded) action held for the whole rollout.
     :param start_s: the fork's present.
     :param end_s: the horizon.
+    :param discipline: admission's discipline in the rollout (the controller's).
     """
+    twin.admission.configure(discipline, twin.info.sla.ttft_s)
     twin.apply(action)
     twin.run_until(end_s)
     finished = [rec for es in twin.snapshot() for rec in es.finished]

@@ -20,7 +20,9 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from rlbatch.control.controllers import Controller
-from rlbatch.control.guard import Guard, GuardConfig
+from rlbatch.control.discipline import PLAIN, AdmissionDiscipline
+from rlbatch.control.guard import GuardConfig
+from rlbatch.control.pipeline import DecisionPipeline
 from rlbatch.control.stats_metrics import MetricContext
 from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats
 from rlbatch.serving.loop import ControlLoop
@@ -34,36 +36,29 @@ _LOG = logging.getLogger("rlbatch.sidecar")
 ControllerFactory = Callable[[str], Controller]
 
 
-def controller_guard(controller: Controller) -> Guard | None:
-    """The guard a controller carries (rule controllers and PPO do), if any.
+def fallback_guard_config(controller: Controller) -> GuardConfig:
+    """The guard configuration behind ``controller`` (the default one when it has none).
 
     :param controller: any controller.
     """
-    guard = getattr(controller, "guard", None)
-    return guard if isinstance(guard, Guard) else None
+    pipeline = controller.pipeline
+    return pipeline.config if pipeline is not None else GuardConfig()
 
 
-def guard_config(controller: Controller) -> GuardConfig:
-    """The configuration of the controller's guard (the default one when it has none).
-
-    :param controller: any controller.
-    """
-    guard = controller_guard(controller)
-    return guard.config if guard is not None else GuardConfig()
-
-
-def describe_action(action: ControlAction, bucket_names: tuple[str, ...]) -> str:
+def describe_action(action: ControlAction, bucket_names: tuple[str, ...],
+                    discipline: AdmissionDiscipline = PLAIN) -> str:
     """One line: ``0-1k=32@fp16 1k-2k=8@fp8 ...`` (``order=deadline`` under deadline order).
 
     :param action: the action.
     :param bucket_names: bucket labels.
+    :param discipline: admission's discipline in force.
     """
     parts = [f"{name}={'-' if cap is None else cap}@{pool}"
              for name, cap, pool in zip(bucket_names, action.caps, action.pools, strict=True)]
     if action.max_num_seqs is not None:
         parts.append(f"max_num_seqs={action.max_num_seqs}")
-    if action.late_after_s is not None:
-        parts.append("order=deadline")
+    if discipline.order != "fifo":
+        parts.append(f"order={discipline.order}")
     return " ".join(parts)
 
 
@@ -91,9 +86,9 @@ class SidecarControl:
         self.controller = controller
         self.decided = controller.reset(source.info)
         source.in_force = self._shadow_action() if settings.shadow else self.decided
-        self._fallback_guard = controller_guard(controller) or Guard(guard_config(controller))
-        if controller_guard(controller) is None:
-            self._fallback_guard.reset(source.info)
+        self._fallback = controller.pipeline or DecisionPipeline(fallback_guard_config(controller))
+        if controller.pipeline is None:
+            self._fallback.reset(source.info)
         self._guard_seen: dict[str, int] = {}
         self.loop: ControlLoop | None = None
         self.writer: DecisionWriter | None = None
@@ -122,27 +117,37 @@ class SidecarControl:
         """
         self.source.info = info
         self.decided = self.controller.reset(info)
-        if controller_guard(self.controller) is None:
-            self._fallback_guard.reset(info)
+        if self.controller.pipeline is None:
+            self._fallback.reset(info)
         self._guard_seen = {}
         shadow = self.settings.shadow
         self.loop = ControlLoop(self.source, None,
                                 self._shadow_action() if shadow else self.decided,
-                                window_s=self.settings.window_s, keep_records=False)
+                                discipline=self.discipline, window_s=self.settings.window_s,
+                                keep_records=False)
         if shadow:
             self.loop.apply(self.decided, enforce=False)
 
+    @property
+    def discipline(self) -> AdmissionDiscipline:
+        """Admission's discipline: the controller's (shadow mode: a plain vLLM server's,
+        as nothing the controller decides is applied)."""
+        return PLAIN if self.settings.shadow else self.controller.discipline
+
+    def describe(self, action: ControlAction) -> str:
+        """``action`` in one line, with the discipline in force (:func:`describe_action`)."""
+        return describe_action(action, self.bucket_names, self.discipline)
+
     def fallback_action(self) -> ControlAction:
         """The guard's safe caps; buckets routed to a pool with no reachable upstream go to
-        one that has one."""
-        safe = self._fallback_guard.fallback_action()
+        one that has one. Admission's discipline (order, KV budget) stays the controller's."""
+        safe = self._fallback.fallback_action()
         pool_available = self.source.dispatch.pool_available
         usable = [p for p in self.source.dispatch.pools if pool_available(p)]
         pools = tuple(p if p in usable or not usable else
                       (cur if cur in usable else usable[0])
                       for p, cur in zip(safe.pools, self.in_force.pools, strict=True))
-        # the queues keep the order in force (the fallback is about caps, not order)
-        return replace(safe, pools=pools, late_after_s=self.in_force.late_after_s)
+        return replace(safe, pools=pools)
 
     def tick(self, now_s: float, failures: list[str]) -> DeploymentStats:
         """One control tick after the scrapes: snapshot, decide, apply, export. Never raises
@@ -168,7 +173,7 @@ class SidecarControl:
             if not self.fallback_active:
                 _LOG.warning("metrics scrape failed (%s): applying the guard's fallback caps "
                              "%s", "; ".join(failures),
-                             describe_action(action, self.bucket_names))
+                             self.describe(action))
             self.fallback_active = True
             self.metrics.fallback_ticks.inc()
         else:
@@ -192,9 +197,9 @@ class SidecarControl:
         if self.settings.shadow:
             if changed:
                 _LOG.info("shadow decision (not applied) at tick %d: %s", self.ticks,
-                          describe_action(action, self.bucket_names))
+                          self.describe(action))
         elif action != self.in_force:
-            _LOG.info("tick %d: %s", self.ticks, describe_action(action, self.bucket_names))
+            _LOG.info("tick %d: %s", self.ticks, self.describe(action))
         self.loop.apply(action, enforce=not self.settings.shadow)
         ctx = MetricContext(self.bucket_names, self.source.info.pool_names, overrides)
         self.metrics.snapshot.record(stats, ctx)
@@ -205,11 +210,11 @@ class SidecarControl:
 
     def _new_overrides(self) -> dict[str, int]:
         """The guard's overrides since the previous call, by rule."""
-        guard = controller_guard(self.controller)
-        if guard is None:
+        pipeline = self.controller.pipeline
+        if pipeline is None:
             return {}
         new: dict[str, int] = {}
-        for rule, count in guard.state.counts.items():
+        for rule, count in pipeline.guard.state.counts.items():
             seen = self._guard_seen.get(rule, 0)
             if count > seen:
                 new[rule] = count - seen
@@ -241,11 +246,12 @@ class SidecarControl:
         old = self.controller.name
         self.controller = controller
         self._guard_seen = {}
-        guard = controller_guard(controller)
-        if guard is not None:
-            self._fallback_guard = guard
+        if controller.pipeline is not None:
+            self._fallback = controller.pipeline
         self.decided = action
         if self.loop is not None:
+            if not self.settings.shadow:
+                self.source.admission.configure(self.discipline, info.sla.ttft_s)
             self.loop.apply(action, enforce=not self.settings.shadow)
         _LOG.info("controller switched: %s -> %s; in force: %s", old, controller.name,
-                  describe_action(self.in_force, self.bucket_names))
+                  self.describe(self.in_force))

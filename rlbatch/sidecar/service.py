@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 
 from rlbatch.control.controllers import Controller
+from rlbatch.control.discipline import AdmissionDiscipline
 from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats
 from rlbatch.engine.base import Engine
 from rlbatch.engine.telemetry import MemoryTelemetry
@@ -31,8 +32,7 @@ from rlbatch.serving.admission import Admission, AdmissionConfig
 from rlbatch.sidecar.control_tick import (
     ControllerFactory,
     SidecarControl,
-    describe_action,
-    guard_config,
+    fallback_guard_config,
 )
 from rlbatch.sidecar.dispatch import Dispatcher
 from rlbatch.sidecar.prom import ControlState, SidecarMetrics
@@ -78,7 +78,7 @@ class Sidecar:
                                        settings.max_num_seqs, kv_reserve=settings.kv_reserve,
                                        kv_reserve_quantile=settings.kv_reserve_quantile)
                           for i, spec in enumerate(settings.upstreams)]
-        guard = guard_config(controller)
+        guard = fallback_guard_config(controller)
         # vLLM's own rule unless the operator chose the sidecar's: the default must not change
         # what the model sees where vLLM would not.
         self.over_length: str = settings.over_length or "vllm"
@@ -254,7 +254,7 @@ class Sidecar:
                   "tokens counted by %s; in force: %s", self.control.controller.name,
                   " (shadow)" if self.settings.shadow else "",
                   ", ".join(f"{u.name}={u.url}" for u in self.upstreams), limit,
-                  self.counter.name, describe_action(self.control.in_force, self.bucket_names))
+                  self.counter.name, self.control.describe(self.control.in_force))
 
     async def _make_counter(self) -> PromptCounter:
         s = self.settings
@@ -306,8 +306,13 @@ class Sidecar:
         def action_dict(action: ControlAction) -> dict[str, Any]:
             return {"caps": dict(zip(self.bucket_names, action.caps, strict=True)),
                     "pools": dict(zip(self.bucket_names, action.pools, strict=True)),
-                    "max_num_seqs": action.max_num_seqs,
-                    "kv_budget_fraction": action.kv_budget_fraction}
+                    "max_num_seqs": action.max_num_seqs}
+
+        def discipline_dict(discipline: AdmissionDiscipline) -> dict[str, Any]:
+            budget = discipline.kv_budget
+            return {"order": discipline.order,
+                    "kv_budget_fraction": None if budget is None else budget.fraction,
+                    "kv_commit": None if budget is None else budget.commit}
 
         c = self.control
         return {
@@ -319,6 +324,7 @@ class Sidecar:
             "tokenizer": self.counter.name, "max_model_len": self.max_model_len,
             "over_length": self.over_length, "max_chars_per_token": self.max_chars_per_token,
             "in_force": action_dict(c.in_force), "decided": action_dict(c.decided),
+            "admission": discipline_dict(self.admission.discipline),
             "queued": dict(zip(self.bucket_names, self.admission.queued(), strict=True)),
             "upstreams": [{"name": u.name, "pool": u.pool, "url": u.url, "healthy": u.healthy,
                            "down_reason": u.down_reason, "running": u.running_total,
