@@ -4,13 +4,13 @@
     .venv/bin/python benchmarks/bench_ray.py --pool       # also the 2-process pool
     .venv/bin/python benchmarks/bench_ray.py --grid main  # train.py's whole comparison
 
-The grid is the comparison on traffic no policy trained on (:mod:`policies.protocol`): the
-static caps 4-256, the playbook and the shipped policy on the held-back Azure window at 4
-rates and Mooncake at 3 (9 controllers x 7 runs = 63). ``--grid main`` is what ``train.py``
-now runs after training: the training runs for the user's pick too, and ``mpc`` as a second
-candidate (102 runs). Prints wall times, the speed-up, Ray's start-up cost (cluster start;
-worker start-up is inside the Ray grid time) and whether the rows are identical (wall-clock
-fields aside); exits 1 if they are not.
+The grid is the comparison on traffic no policy trained on (:mod:`policies.evaluation.protocol`):
+the static caps 4-256, the playbook and the shipped policy on the held-back Azure window at 4 rates
+and Mooncake at 3 (9 controllers x 7 runs = 63). ``--grid main`` is what ``train.py`` now runs after
+training: the training runs for the user's pick too, and ``mpc`` as a second candidate (102 runs).
+Prints wall times, the speed-up, Ray's start-up cost (cluster start; worker start-up is inside the
+Ray grid time) and whether the rows are identical (wall-clock fields aside); exits 1 if they are
+not.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from policies.protocol import protocol_jobs, training_runs, unseen_runs  # noqa: E402
-from policies.recipe import RecipeConfig  # noqa: E402
+from policies.evaluation.protocol import protocol_jobs, training_runs, unseen_runs  # noqa: E402
+from policies.training.recipe import RecipeConfig  # noqa: E402
 from rlbatch.scale import LOCAL, connect  # noqa: E402
 from rlbatch.scale.cluster import shutdown  # noqa: E402
 from rlbatch.tools.evaluate import EvalJob, comparable_rows, run_jobs  # noqa: E402

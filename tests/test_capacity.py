@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from policies.protocol import RATE_MULTIPLIERS
+from policies.evaluation.protocol import RATE_MULTIPLIERS
 from rlbatch.buckets import Buckets
 from rlbatch.profiles import RooflineStepTimeModel, load_gpu, load_model
 from rlbatch.profiles.capacity import profile_capacity_rps, reference_capacity_rps

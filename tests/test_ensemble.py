@@ -1,4 +1,4 @@
-"""``policies.ensemble``: the mean of students' logits as one artifact."""
+"""``policies.training.ensemble``: the mean of students' logits as one artifact."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from policies.artifact import ArtifactError, PolicyArtifact, load_artifact
-from policies.ensemble import merge, save_ensemble
 from policies.ppo import PpoController
-from policies.recipe import RecipeConfig, build_student, export_student
+from policies.training.ensemble import merge, save_ensemble
+from policies.training.recipe import RecipeConfig, build_student, export_student
 from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.serving.run import run
 from rlbatch.workload.scenarios import make_scenario

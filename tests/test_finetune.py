@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from policies.artifact import load_artifact
-from policies.finetune import FinetuneConfig, finetune, recipe_env_kwargs
 from policies.ppo import PpoController
-from policies.recipe import RecipeConfig, build_student, export_student
+from policies.training.finetune import FinetuneConfig, finetune, recipe_env_kwargs
+from policies.training.recipe import RecipeConfig, build_student, export_student
 from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, TotalShareCodec
 from rlbatch.control.observation import observation_size
 from rlbatch.serving.deployment import DeploymentSpec

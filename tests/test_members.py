@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from policies.artifact import load_artifact
-from policies.members import finished, member_config, train_students
-from policies.recipe import RecipeConfig, run_recipe
+from policies.training.members import finished, member_config, train_students
+from policies.training.recipe import RecipeConfig, run_recipe
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from policies.distill import Demonstrations, LabellingController, action_accuracy, fit_policy
-from policies.recipe import Recipe, RecipeConfig, build_student, make_labeller
+from policies.training.distill import (
+    Demonstrations,
+    LabellingController,
+    action_accuracy,
+    fit_policy,
+)
+from policies.training.recipe import Recipe, RecipeConfig, build_student, make_labeller
 from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, TotalShareCodec
 from rlbatch.control.controllers import make_controller
 from rlbatch.serving.deployment import DeploymentSpec

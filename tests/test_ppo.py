@@ -12,7 +12,7 @@ import pytest
 import envs
 from policies.artifact import ArtifactError, load_artifact
 from policies.ppo import PpoController, ppo_factory
-from policies.training import TrainConfig, train
+from policies.training.ppo_trainer import TrainConfig, train
 from rlbatch.control.controllers import make_controller
 from rlbatch.engine.config import parse_pools
 from rlbatch.serving.deployment import DeploymentSpec
@@ -43,7 +43,7 @@ def test_tiny_run_writes_artifacts_and_logs(tiny_run: tuple[Path, object]) -> No
 def test_exported_artifact_acts_like_the_sb3_model(tmp_path: Path) -> None:
     from stable_baselines3 import PPO
 
-    from policies.training import export_policy
+    from policies.training.ppo_trainer import export_policy
 
     cfg = TrainConfig(timesteps=128, n_envs=1, scenario="night", episode_s=30.0)
     env = gym.make(envs.ENV_ID, **cfg.env_kwargs())
@@ -121,7 +121,7 @@ def test_mismatched_deployment_is_refused(tiny_run: tuple[Path, object]) -> None
 
 
 def test_eval_workloads_fit_any_trace_length(mooncake_trace: Path, azure_trace: Path) -> None:
-    from policies.training import eval_workloads
+    from policies.training.ppo_trainer import eval_workloads
 
     for trace in (mooncake_trace, azure_trace):
         workloads = eval_workloads(TrainConfig(traces=(str(trace),)))

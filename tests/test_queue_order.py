@@ -9,9 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from envs.batch_size import BatchSizeEnv
-from policies.finetune import recipe_env_kwargs
 from policies.ppo import PpoController, ppo_factory
 from policies.rules import fixed_factory
+from policies.training.finetune import recipe_env_kwargs
 from rlbatch.buckets import Buckets
 from rlbatch.control.controllers import make_controller
 from rlbatch.control.discipline import (

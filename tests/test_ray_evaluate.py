@@ -81,7 +81,7 @@ def test_failing_task_is_an_error_row_and_exit_1(cluster: None, tmp_path: Path,
 
 def test_run_jobs_keeps_its_signature_and_window_jobs(cluster: None,
                                                       azure_trace: Path) -> None:
-    # policies/protocol.py calls run_jobs(jobs, n_jobs=..., quiet=..., desc=...).
+    # policies/evaluation/protocol.py calls run_jobs(jobs, n_jobs=..., quiet=..., desc=...).
     spec = DeploymentSpec(gpu="a100-80g", model="llama-2-7b", pools=parse_pools("fp16"),
                           admission=AdmissionConfig(over_length="truncate"))
     jobs = [EvalJob(c, str(azure_trace), rate, replace(spec), (0.0, 300.0), None, 0, 120.0)
@@ -132,6 +132,6 @@ def test_sweep_on_ray_equals_serial(cluster: None, tmp_path: Path) -> None:
 
 def test_without_ray_nothing_imports_ray() -> None:
     code = ("import sys; from rlbatch.commands.main import build_parser; build_parser(); "
-            "import rlbatch.tools.evaluate, rlbatch.tools.sweep_ray, policies.multiseed; "
+            "import rlbatch.tools.evaluate, rlbatch.tools.sweep_ray, policies.training.multiseed; "
             "import train; train.build_parser(); assert 'ray' not in sys.modules, 'ray'")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from policies.episodes import sample_episodes
-from policies.multiseed import run_seeds, seed_runs, summary_table
-from policies.recipe import Recipe, RecipeConfig
+from policies.training.episodes import sample_episodes
+from policies.training.multiseed import run_seeds, seed_runs, summary_table
+from policies.training.recipe import Recipe, RecipeConfig
 from rlbatch.scale import LOCAL, connect
 from rlbatch.scale.cluster import shutdown
 from rlbatch.tools.evaluate import comparable_rows

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from policies.episodes import sample_episodes, sample_workloads
-from policies.recipe import RecipeConfig, parse_deployment
-from policies.selection import validation_workloads
+from policies.training.episodes import sample_episodes, sample_workloads
+from policies.training.recipe import RecipeConfig, parse_deployment
+from policies.training.selection import validation_workloads
 from rlbatch.workload import Workload, load_trace
 
 OTHERS = ("h100-80g/llama-2-7b", "a100-80g/llama-3.1-8b")
@@ -82,7 +82,7 @@ def test_validation_adds_the_middle_rate_of_each_further_deployment() -> None:
 
 
 def test_fine_tuning_rollouts_stay_whole_minibatches_over_deployments() -> None:
-    from policies.finetune import FinetuneConfig, _steps_per_env
+    from policies.training.finetune import FinetuneConfig, _steps_per_env
 
     cfg = FinetuneConfig()
     per_env = [_steps_per_env(cfg, n) for n in (1, 2, 3, 4)]

@@ -8,9 +8,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from policies.episodes import sample_episodes
-from policies.protocol import training_window
-from policies.recipe import RecipeConfig
+from policies.evaluation.protocol import training_window
+from policies.training.episodes import sample_episodes
+from policies.training.recipe import RecipeConfig
 from rlbatch.buckets import DEFAULT_EDGES
 from rlbatch.workload import Workload, build_workload, load_trace
 from rlbatch.workload.remix import length_pools, remix

@@ -7,9 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from policies.compare import CONTESTED
-from policies.recipe import RecipeConfig
-from policies.selection import SELECTION_STATICS, knee_selection_rates, validation_workloads
+from policies.evaluation.compare import CONTESTED
+from policies.training.recipe import RecipeConfig
+from policies.training.selection import (
+    SELECTION_STATICS,
+    knee_selection_rates,
+    validation_workloads,
+)
 from rlbatch.control.controllers import make_controller
 from rlbatch.serving.run import run
 

@@ -16,11 +16,11 @@ import pytest
 import envs
 from envs.batch_size import BatchSizeEnv
 from policies.artifact import ArtifactError, copy_artifact, load_artifact
-from policies.distill import Demonstrations, action_accuracy, fit_policy, student_labeller
-from policies.finetune import ClipObservation
+from policies.evaluation.protocol import judge, user_pick
 from policies.ppo import PpoController
-from policies.protocol import judge, user_pick
-from policies.recipe import Recipe, RecipeConfig, build_student, export_student
+from policies.training.distill import Demonstrations, action_accuracy, fit_policy, student_labeller
+from policies.training.finetune import ClipObservation
+from policies.training.recipe import Recipe, RecipeConfig, build_student, export_student
 from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, TotalShareCodec, make_codec
 from rlbatch.control.controllers import make_controller
 from rlbatch.control.observation import feature_names, observation_size
@@ -168,7 +168,7 @@ def test_judge_fails_a_starving_candidate() -> None:
 
 
 def test_starved_buckets_name_their_gap_in_requests() -> None:
-    from policies.compare import starved_shortfalls
+    from policies.evaluation.compare import starved_shortfalls
 
     best = _row("static:64", "u", 1.0, 2.0, 0.5, {"a": 0.5, "b": 0.9})
     best["per_bucket"]["b"].update(completed=70, rejected=4)
@@ -185,7 +185,7 @@ def test_mpc_teacher_exposes_its_proposal() -> None:
 
 
 def test_rate_multiplier_scales_every_protocol_run() -> None:
-    from policies.protocol import rate_multiplier_for, training_runs, unseen_runs
+    from policies.evaluation.protocol import rate_multiplier_for, training_runs, unseen_runs
 
     base, scaled = unseen_runs(), unseen_runs(2.5)
     assert [r.rates for r in scaled] == [tuple(round(x * 2.5, 6) for x in r.rates)
@@ -201,7 +201,7 @@ def test_rate_multiplier_scales_every_protocol_run() -> None:
 
 
 def test_mooncake_multiplier_scales_only_the_mooncake_runs() -> None:
-    from policies.protocol import mooncake_multiplier_for, unseen_runs
+    from policies.evaluation.protocol import mooncake_multiplier_for, unseen_runs
 
     base, split = unseen_runs(5.0), unseen_runs(5.0, 0.4)
     assert split[0] == base[0]  # the Azure runs keep the rate multiplier
@@ -215,7 +215,7 @@ def test_mooncake_multiplier_scales_only_the_mooncake_runs() -> None:
 
 def test_protocol_refuses_a_bad_mooncake_multiplier(capsys: pytest.CaptureFixture[str]
                                                      ) -> None:
-    from policies.protocol import main
+    from policies.evaluation.protocol import main
 
     with pytest.raises(SystemExit):
         main(["--controllers", "fixed:256", "--mooncake-rate-multiplier", "-1"])
@@ -223,7 +223,7 @@ def test_protocol_refuses_a_bad_mooncake_multiplier(capsys: pytest.CaptureFixtur
 
 
 def test_recipe_rate_multiplier_scales_training_workloads() -> None:
-    from policies.episodes import sample_workloads
+    from policies.training.episodes import sample_workloads
     from rlbatch.workload import load_trace
 
     traces = [load_trace(t) for t in RecipeConfig().traces]
@@ -238,7 +238,7 @@ def test_recipe_rate_multiplier_scales_training_workloads() -> None:
 
 
 def test_unseen_run_finds_a_run_by_label_prefix() -> None:
-    from policies.protocol import run_label, unseen_run
+    from policies.evaluation.protocol import run_label, unseen_run
 
     found = unseen_run("mooncake", "a100-80g", "llama-2-7b", {"fp16": 1, "fp8": 1})
     assert run_label(found).startswith("mooncake") and found.unseen
@@ -250,7 +250,7 @@ def test_run_options_give_the_unseen_run_at_the_rate_and_refuse_an_unknown_one(
         capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
-    from policies.protocol import add_run_options, run_from_args
+    from policies.evaluation.protocol import add_run_options, run_from_args
 
     p = argparse.ArgumentParser()
     add_run_options(p)

@@ -11,7 +11,13 @@ import pytest
 import envs
 from policies.artifact import load_artifact
 from policies.ppo import PpoController
-from policies.recipe import Recipe, RecipeConfig, build_student, export_student, make_labeller
+from policies.training.recipe import (
+    Recipe,
+    RecipeConfig,
+    build_student,
+    export_student,
+    make_labeller,
+)
 from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, TotalShareCodec
 from rlbatch.control.types import ControlAction
 from rlbatch.serving.deployment import DeploymentSpec
@@ -42,7 +48,7 @@ def test_recipe_refuses_a_bad_share_ladder(shares: tuple[float, ...], message: s
 @pytest.mark.parametrize("text, expected", [("1", (1.0,)), ("0.5,1", (0.5, 1.0)),
                                             ("0.125,0.25,0.5,1", SHARE_LADDER)])
 def test_train_shares_option_reaches_the_recipe(text: str, expected: tuple[float, ...]) -> None:
-    import train
+    from policies.training import command as train
 
     parser = train.build_parser()
     args = parser.parse_args(["--shares", text, "--train-deployments", "none"])
@@ -88,7 +94,7 @@ def test_total_only_student_trains_serves_and_fine_tunes_in_its_space(tmp_path: 
     assert row["completed"] + row["rejected"] + row["unfinished"] == len(workload)
     assert controller._held is not None and controller._held.caps == (None,) * 4
     # fine-tuning builds its env from the same ladder, so the spaces match
-    from policies.finetune import recipe_env_kwargs
+    from policies.training.finetune import recipe_env_kwargs
 
     kwargs = recipe_env_kwargs(cfg.gpu, cfg.model, cfg.pools, 60.0, cfg.obs_version,
                                cfg.decision_ticks, cfg.shares)

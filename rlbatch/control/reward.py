@@ -24,7 +24,7 @@ deadline, or doomed in the tick) or a queue head past the deadline is starved: a
 Buckets with neither are skipped.
 
 The late-queue term is kept on purpose: measured on 600 s Azure slices
-(``benchmarks/reward_objective.py``), dropping it lets a cap set that starves a bucket outscore
+(``experiments/reward_objective.py``), dropping it lets a cap set that starves a bucket outscore
 every fair static on a contested slice even with the doomed accounting, and its old cap (5,
 a head 12 s late) made starving cheap; ``wait_cap`` = 30 (a head about a minute late) ranks
 the starving sets below the fair statics on every slice measured.

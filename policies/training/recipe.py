@@ -2,15 +2,15 @@
 fine-tuning -> selection.
 
 1. **Teacher data**: the ``mpc`` planner runs on workloads drawn from the training traffic
-   only (the first 75% of each training trace, :mod:`policies.protocol`), most of them
+   only (the first 75% of each training trace, :mod:`policies.evaluation.protocol`), most of them
    near the knee (rate scales where the best static cap meets the SLA for 20-95%), plus
    generated traffic; every decision is stored with the student's observation.
 2. **Student**: an SB3 ``MlpPolicy`` (so PPO can fine-tune it) fitted by maximum
-   likelihood on the teacher's decisions (:func:`policies.distill.fit_policy`).
+   likelihood on the teacher's decisions (:func:`policies.training.distill.fit_policy`).
 3. **DAgger**: the student drives, the teacher (bound to the same simulated deployment)
    labels the states the student reaches; refit on everything.
 4. **Fine-tuning**: PPO on the env's reward, starting from the last DAgger student
-   (:mod:`policies.finetune`: value head fitted first, small steps), on workloads drawn as
+   (:mod:`policies.training.finetune`: value head fitted first, small steps), on workloads drawn as
    in 1.
 5. **Selection**: every student checkpoint (the fine-tuned one included) is scored on
    full-length validation windows of the training traffic (never the held-back window)
@@ -33,13 +33,19 @@ from typing import Any
 import numpy as np
 
 from policies.artifact import copy_artifact, load_artifact
-from policies.distill import Demonstrations, LabellingController, check_labels, collect, fit_policy
-from policies.episodes import Episode, drawer, sample_episodes
-from policies.finetune import FinetuneConfig, finetune_many, recipe_env_kwargs
+from policies.evaluation.protocol import rate_multiplier_for
 from policies.ppo import PpoController
-from policies.protocol import rate_multiplier_for
-from policies.selection import validation_statics
-from policies.training import eval_score, export_actor
+from policies.training.distill import (
+    Demonstrations,
+    LabellingController,
+    check_labels,
+    collect,
+    fit_policy,
+)
+from policies.training.episodes import Episode, drawer, sample_episodes
+from policies.training.finetune import FinetuneConfig, finetune_many, recipe_env_kwargs
+from policies.training.ppo_trainer import eval_score, export_actor
+from policies.training.selection import validation_statics
 from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, TotalShareCodec
 from rlbatch.control.controllers import make_controller
 from rlbatch.control.discipline import PPO_QUEUE_ORDER
@@ -91,10 +97,10 @@ class RecipeConfig:
     :param selection_knee: choose the first deployment's validation rate scales where its
         training windows are contested instead (the best selection static meets the SLA for
         20-95% of requests, the regime the must-checks judge:
-        :func:`policies.selection.knee_selection_rates`); further deployments keep the
+        :func:`policies.training.selection.knee_selection_rates`); further deployments keep the
         middle of ``selection_rates``.
     :param selection_mixes: also select on each training window with equal prompt-length
-        bucket shares (:func:`policies.selection.mixed_window`).
+        bucket shares (:func:`policies.training.selection.mixed_window`).
     :param obs_clip: record in each checkpoint the range of the observations it was fitted on
         (artifact ``obs_range``; serving clips into it) and clip fine-tuning's observations
         to the same range, so that a state past anything seen in training is treated as the
@@ -109,14 +115,14 @@ class RecipeConfig:
         labels, so pair it with a teacher that does not trim (``mpc:trims=0``).
     :param rate_multiplier: multiplies every trace rate scale and generated load (a
         deployment with more capacity than one A100 serving llama-2-7b needs more load to
-        reach its knee; :data:`policies.protocol.RATE_MULTIPLIERS`).
+        reach its knee; :data:`policies.evaluation.protocol.RATE_MULTIPLIERS`).
     :param deployments: further ``gpu/model`` profiles to train over besides ``gpu`` and
         ``model`` (same pools): each workload is served on one of them, drawn uniformly, at
         its own measured rate multiplier relative to the first deployment's; selection adds
         their validation windows at the middle selection rate.
     :param members: train this many students, each by the whole recipe with its own seed
         (``members * seed + k``: its own workloads, DAgger rollouts and initialisation), and
-        ship the mean of their logits (:func:`policies.members.train_students`); 1: one
+        ship the mean of their logits (:func:`policies.training.members.train_students`); 1: one
         student.
     :param out: run folder.
     """
@@ -456,7 +462,7 @@ def run_recipe(cfg: RecipeConfig, log: Callable[[str, float, int], None] | None 
     """
     if cfg.members > 1:
         raise ValueError(f"run_recipe trains one student; members={cfg.members} is "
-                         f"policies.members.train_students")
+                         f"policies.training.members.train_students")
     say = progress or (lambda text: None)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

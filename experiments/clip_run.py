@@ -1,6 +1,6 @@
 """Give a finished recipe run's checkpoints the range of the observations each was fitted on.
 
-    .venv/bin/python benchmarks/clip_run.py runs/s13/v4-s1 --out runs/s15/clip-v4-s1
+    .venv/bin/python experiments/clip_run.py runs/s13/v4-s1 --out runs/s15/clip-v4-s1
 
 A cloned student extrapolates arbitrarily on observations past anything it was fitted on
 (issue 14, stop 15: on Mooncake the 4k+ bucket's running and arrival features sit above
@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reselect import config_of
 
 from policies.artifact import copy_artifact
-from policies.distill import Demonstrations
-from policies.recipe import Recipe
+from policies.training.distill import Demonstrations
+from policies.training.recipe import Recipe
 
 
 def main() -> None:

@@ -9,8 +9,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from policies.compare import CONTESTED
-from policies.protocol import training_window
+from policies.evaluation.compare import CONTESTED
+from policies.evaluation.protocol import training_window
 from rlbatch.buckets import DEFAULT_EDGES
 from rlbatch.control.controllers import make_controller
 from rlbatch.serving.deployment import DeploymentSpec
@@ -20,7 +20,7 @@ from rlbatch.workload.remix import length_pools, remix
 
 
 class SelectionConfig(Protocol):
-    """What selection reads of :class:`policies.recipe.RecipeConfig`."""
+    """What selection reads of :class:`policies.training.recipe.RecipeConfig`."""
 
     traces: tuple[str, ...]
     gpu: str

@@ -20,7 +20,7 @@ import numpy as np
 
 import envs
 from policies.artifact import load_artifact, save_artifact
-from policies.compare import starved_buckets
+from policies.evaluation.compare import starved_buckets
 from policies.ppo import PpoController
 from rlbatch import __version__
 from rlbatch.control.controllers import make_controller

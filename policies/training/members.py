@@ -1,12 +1,12 @@
 """``RecipeConfig.members > 1``: several students, each by the whole recipe, shipped as one.
 
-Issue 14, stop 18: every single-student recipe met the two-pool must-checks on at most 1-2
-seeds of 3, each seed's student starving a different held-back run. The mean of independently
-trained students' logits (:mod:`policies.ensemble`) acts only where they agree. Member ``k``
-of seed ``s`` is the recipe with seed ``members * s + k`` (its own teacher workloads, DAgger
-rollouts, initialisation and selection) in ``OUT/member-k``; ``OUT/best`` is the merged
-artifact. A member whose folder already holds a finished run of the same configuration is
-reused, so an interrupted run loses only the member it was training.
+Issue 14, stop 18: every single-student recipe met the two-pool must-checks on at most 1-2 seeds of
+3, each seed's student starving a different held-back run. The mean of independently trained
+students' logits (:mod:`policies.training.ensemble`) acts only where they agree. Member ``k`` of
+seed ``s`` is the recipe with seed ``members * s + k`` (its own teacher workloads, DAgger rollouts,
+initialisation and selection) in ``OUT/member-k``; ``OUT/best`` is the merged artifact. A member
+whose folder already holds a finished run of the same configuration is reused, so an interrupted run
+loses only the member it was training.
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from policies.ensemble import save_ensemble
-from policies.recipe import RecipeConfig, run_recipe
-from policies.training import training_record
+from policies.training.ensemble import save_ensemble
+from policies.training.ppo_trainer import training_record
+from policies.training.recipe import RecipeConfig, run_recipe
 
 
 def train_students(cfg: RecipeConfig, log: Callable[[str, float, int], None] | None = None,
                    progress: Callable[[str], None] | None = None,
                    ray: str | None = None, quiet: bool = False) -> dict[str, Any]:
-    """The recipe's policy: one student (:func:`policies.recipe.run_recipe`) or, with
+    """The recipe's policy: one student (:func:`policies.training.recipe.run_recipe`) or, with
     ``members > 1``, the merged students of :func:`run_members`. Same arguments and summary."""
     if cfg.members > 1:
         return run_members(cfg, log, progress, ray, quiet)

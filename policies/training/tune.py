@@ -14,9 +14,9 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
-from policies.members import train_students
-from policies.recipe import RecipeConfig
-from policies.training import TrainConfig, train
+from policies.training.members import train_students
+from policies.training.ppo_trainer import TrainConfig, train
+from policies.training.recipe import RecipeConfig
 
 
 def student_space() -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Side-by-side per-tick trace of controllers on one run of the evaluation protocol.
 
-    .venv/bin/python benchmarks/trace_run.py --run azure --rate 2.125 --pools fp16:1,fp8:1 \
+    .venv/bin/python experiments/trace_run.py --run azure --rate 2.125 --pools fp16:1,fp8:1 \
         --from-s 40 --to-s 160 --every 5 mpc ppo:policies/two-pool
 
 Each controller serves the same protocol run (the held-back Azure window or Mooncake, at one
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-import policies.protocol as protocol
+import policies.evaluation.protocol as protocol
 from rlbatch.control.controllers import make_controller
 from rlbatch.control.types import DeploymentStats
 from rlbatch.serving.run import run

@@ -1,7 +1,7 @@
 """How fast this machine runs the same instructions over time, apart from any engine.
 
-    .venv/bin/python benchmarks/cpu_speed_probe.py runs/probe.txt &   # then the job to watch
-    .venv/bin/python benchmarks/cpu_speed_probe.py --summary 20 runs/probe.txt
+    .venv/bin/python experiments/cpu_speed_probe.py runs/probe.txt &   # then the job to watch
+    .venv/bin/python experiments/cpu_speed_probe.py --summary 20 runs/probe.txt
 
 Once a second, on one thread, it times a fixed compute-bound block (twenty 256 x 256 float32
 matmuls, in the caches) and a memory-bound one (a 64 MiB copy), and appends ``unix time,

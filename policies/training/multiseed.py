@@ -19,8 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from policies.members import train_students
-from policies.protocol import (
+from policies.evaluation.protocol import (
     judge,
     label_rows,
     protocol_jobs,
@@ -29,8 +28,9 @@ from policies.protocol import (
     unseen_runs,
     user_pick,
 )
-from policies.recipe import RecipeConfig
-from policies.training import TrainConfig, train
+from policies.training.members import train_students
+from policies.training.ppo_trainer import TrainConfig, train
+from policies.training.recipe import RecipeConfig
 from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.tools.evaluate import error_rows, run_jobs
 
@@ -137,7 +137,7 @@ def protocol_comparison(candidates: Sequence[str], spec: DeploymentSpec, *,
                         ray: str | None = None, quiet: bool = False,
                         rate_multiplier: float = 1.0
                         ) -> tuple[list[dict[str, Any]], str]:
-    """:func:`policies.protocol.evaluate_protocol`'s grid, on Ray when asked: the unseen
+    """:func:`policies.evaluation.protocol.evaluate_protocol`'s grid, on Ray when asked: the unseen
     rows and the user's pick.
 
     :param rate_multiplier: multiplies every run's rate scale.
@@ -166,7 +166,7 @@ def summary_table(per_seed: dict[int, dict[str, Any]]) -> str:
     """Markdown: one line per seed (its protocol summary), then mean / min / max of each
     verdict ratio over the seeds.
 
-    :param per_seed: seed -> :func:`policies.protocol.judge`'s ``summary``.
+    :param per_seed: seed -> :func:`policies.evaluation.protocol.judge`'s ``summary``.
     """
     head = ["seed", *(h for _, h in RATIOS), "KV overflows", "must-checks"]
     lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
@@ -213,7 +213,7 @@ def run_seeds(runs: Sequence[SeedRun], spec: DeploymentSpec, out: Path, *,
                 f"# Evaluation of {t['best']}\n\n"
                 f"{render(rows, [candidates[t['seed']]], pick)}\n")
         record.update(pick=pick, summaries={str(k): v for k, v in per_seed.items()})
-        text += ("\n## Verdicts on unseen traffic (policies/protocol.py), over seeds\n\n"
+        text += ("\n## Verdicts on unseen traffic (policies/evaluation/protocol.py), over seeds\n\n"
                  f"User's pick: {pick}.\n\n{summary_table(per_seed)}\n")
     (out / "seeds.md").write_text(text)
     (out / "seeds.json").write_text(json.dumps(record, indent=2, default=str) + "\n")

@@ -1,6 +1,6 @@
 """How much a cloned student's decisions follow the action in force (the copycat problem).
 
-    .venv/bin/python benchmarks/copycat.py policies/two-pool --run azure --rate 2.125 \
+    .venv/bin/python experiments/copycat.py policies/two-pool --run azure --rate 2.125 \
         --pools fp16:1,fp8:1
 
 The student serves one run of the evaluation protocol (as ``trace_run.py`` picks it) and
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-import policies.protocol as protocol
+import policies.evaluation.protocol as protocol
 from policies.artifact import load_artifact
 from policies.ppo import PpoController
 from rlbatch.control.observation import TOTAL_NORM

@@ -9,7 +9,7 @@ from typing import Protocol
 
 import numpy as np
 
-from policies.protocol import training_window
+from policies.evaluation.protocol import training_window
 from rlbatch.buckets import DEFAULT_EDGES
 from rlbatch.workload import Workload
 from rlbatch.workload.remix import remix_at_random
@@ -20,7 +20,7 @@ Episode = tuple[int, Workload]
 
 
 class EpisodeConfig(Protocol):
-    """What the draws read of :class:`policies.recipe.RecipeConfig`."""
+    """What the draws read of :class:`policies.training.recipe.RecipeConfig`."""
 
     traces: tuple[str, ...]
     episode_s: float

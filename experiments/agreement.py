@@ -1,6 +1,6 @@
 """How often a student decides as its teacher would, on the states the student itself reaches.
 
-    .venv/bin/python benchmarks/agreement.py runs/s13/v4-s1/best --run mooncake --rate 1.875 \
+    .venv/bin/python experiments/agreement.py runs/s13/v4-s1/best --run mooncake --rate 1.875 \
         --pools fp16:1,fp8:1
 
 The student drives one run of the evaluation protocol behind its guard; at every decision the
@@ -10,7 +10,7 @@ share, and on everything, then (``--every``) the decisions side by side. Stop 14
 found with it that a student cloned on Azure traffic agrees with its teacher on 2% of the
 totals on Mooncake, whose prompts are 60% of 4k tokens or more: it was extrapolating. A
 student with the range it was fitted on (``obs_range``: ``train.py --obs-clip``,
-``benchmarks/clip_run.py``) also gets the features its decisions saw outside that range.
+``experiments/clip_run.py``) also gets the features its decisions saw outside that range.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-import policies.protocol as protocol
-from policies.distill import student_labeller
+import policies.evaluation.protocol as protocol
 from policies.ppo import ppo_factory
+from policies.training.distill import student_labeller
 from rlbatch.serving.run import run
 
 OUTSIDE_SHOWN = 0.05

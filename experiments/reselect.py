@@ -1,6 +1,6 @@
 """Run the recipe's selection phase again over a finished run's checkpoints.
 
-    .venv/bin/python benchmarks/reselect.py runs/s13/v4-s0 --selection-knee
+    .venv/bin/python experiments/reselect.py runs/s13/v4-s0 --selection-knee
 
 Selection is the recipe's last phase and reads only the checkpoints and the configuration in
 ``RUN/recipe.json``, so a selection rule can be compared on runs already trained: this prints
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from policies.artifact import copy_artifact
-from policies.recipe import Recipe, RecipeConfig
+from policies.training.recipe import Recipe, RecipeConfig
 
 
 def config_of(run_dir: Path, **changes: Any) -> RecipeConfig:

@@ -1,7 +1,7 @@
 """How far the recipe's training episodes reach into a feature's range, and where a student's
 own decisions on an unseen run sit.
 
-    .venv/bin/python benchmarks/coverage.py --episodes 6 --mix-share 1 --mix-load 1,2.5 \
+    .venv/bin/python experiments/coverage.py --episodes 6 --mix-share 1 --mix-load 1,2.5 \
         --pools fp16:1,fp8:1 --student runs/s13/v4-s1/best --run mooncake --rate 1.875
 
 The teacher (``--teacher``) drives ``--episodes`` workloads drawn as the recipe draws them for
@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-import policies.protocol as protocol
-from policies.distill import Demonstrations, student_labeller
+import policies.evaluation.protocol as protocol
 from policies.ppo import ppo_factory
-from policies.recipe import Recipe, RecipeConfig
+from policies.training.distill import Demonstrations, student_labeller
+from policies.training.recipe import Recipe, RecipeConfig
 from rlbatch.commands.argtypes import checked, positive_range
 from rlbatch.commands.options import add_deployment_options, deployment_spec_from_args
 from rlbatch.control.observation import feature_names

@@ -1,6 +1,6 @@
 """Does the reward rank a starving cap set below fair ones? Returns on fixed trace slices.
 
-    .venv/bin/python benchmarks/reward_objective.py [--starts 1050 1200] [--rate-scale 0.75]
+    .venv/bin/python experiments/reward_objective.py [--starts 1050 1200] [--rate-scale 0.75]
 
 For each 600 s slice of the Azure trace (time-compressed to ``--rate-scale``) it runs the
 env under fixed cap sets and the shipped policy (``policies/default``, deterministic) and

@@ -1,10 +1,11 @@
 """PPO fine-tuning of a behaviour-cloned student on the env's objective.
 
-The student (an SB3 ``ActorCriticPolicy`` fitted by :func:`policies.distill.fit_policy`) is
+The student (an SB3 ``ActorCriticPolicy`` fitted by :func:`policies.training.distill.fit_policy`) is
 loaded into a PPO model on ``rlbatch/BatchSize-v0`` with the student's action space
 (``total_share``), observation version and decision interval, and trained on the recipe's
-workloads (training windows only, most near the knee, :func:`policies.episodes.sample_workloads`)
-with the env's reward (goodput and fairness, :mod:`rlbatch.control.reward`).
+workloads (training windows only, most near the knee,
+:func:`policies.training.episodes.sample_workloads`) with the env's reward (goodput and
+fairness, :mod:`rlbatch.control.reward`).
 
 Rewards are scaled by the running standard deviation of the return (``VecNormalize``), and
 two things keep PPO from undoing the teacher's work: the value head, which behaviour cloning

@@ -1,13 +1,13 @@
 """The evaluation protocol with every ``total_share`` student's per-bucket shares set to 1.
 
-    .venv/bin/python benchmarks/total_only.py --controllers ppo:policies/two-pool \
+    .venv/bin/python experiments/total_only.py --controllers ppo:policies/two-pool \
         --pools fp16:1,fp8:1 --jobs 2
 
 A diagnostic (issue 14, stop 17): each student keeps choosing its total cap (and routes), but
 no bucket is held to a share of it, so the run shows what the student's trims add or cost.
-Takes the arguments of ``python -m policies.protocol``. Every ``TotalShareCodec`` decodes with
-the top share in this process and in the protocol's worker processes (forked from it), so
-static rows are unchanged; students lose their trims (and ``mpc``, which decodes its
+Takes the arguments of ``python -m policies.evaluation.protocol``. Every ``TotalShareCodec``
+decodes with the top share in this process and in the protocol's worker processes (forked
+from it), so static rows are unchanged; students lose their trims (and ``mpc``, which decodes its
 candidates with the same codec, its own). Training (``train.py
 --shares 1``) gives a student without the share head instead.
 """
@@ -39,7 +39,7 @@ _DECODE = TotalShareCodec.decode
 
 
 def main(argv: list[str] | None = None) -> int:
-    from policies.protocol import main as protocol_main
+    from policies.evaluation.protocol import main as protocol_main
 
     TotalShareCodec.decode = decode_without_trims  # type: ignore[method-assign,assignment]
     try:

@@ -6,7 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from policies.compare import compare, format_verdicts, user_pick_static
+from policies.evaluation.compare import compare, format_verdicts, user_pick_static
 from rlbatch.engine.config import parse_pools
 from rlbatch.paths import traces_dir
 from rlbatch.serving.admission import AdmissionConfig

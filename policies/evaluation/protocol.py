@@ -6,10 +6,10 @@ shipped trace family (Mooncake, long-context) is never used for training or sele
 A policy is judged on the held-back windows and the other family, at rate scales around
 their knees, against the static caps 4 to 256, the playbook and any other controller, per
 run and per bucket; the regime of each run (light / contested / collapsed) comes from the
-hindsight-best static (:mod:`policies.compare`).
+hindsight-best static (:mod:`policies.evaluation.compare`).
 
-    python -m policies.protocol --controllers ppo:policies/default,mpc --json rows.json \\
-        --markdown EVAL-unseen.md
+    python -m policies.evaluation.protocol --controllers ppo:policies/default,mpc \\
+        --json rows.json --markdown EVAL-unseen.md
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from policies.compare import CONTESTED, compare, starved_shortfalls
+from policies.evaluation.compare import CONTESTED, compare, starved_shortfalls
 from rlbatch.commands.options import add_deployment_options, deployment_spec_from_args
 from rlbatch.paths import traces_dir
 from rlbatch.serving.deployment import DeploymentSpec
@@ -332,7 +332,7 @@ def evaluate_protocol(candidates: Sequence[str], spec: DeploymentSpec, *, n_jobs
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m policies.protocol",
+        prog="python -m policies.evaluation.protocol",
         description="Judge controllers on traffic no policy trained on (held-back Azure "
         "window, Mooncake) against static caps 4-256 and the playbook, per run and bucket.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)

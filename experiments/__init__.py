@@ -1,0 +1,1 @@
+"""Experiments: diagnostic scripts that answered one question each (see README.md here)."""
