@@ -40,7 +40,7 @@ def main() -> None:
     args = p.parse_args()
     spec, run_set, workload = protocol.run_from_args(p, args)
     try:
-        student = ppo_factory(str(args.student))
+        student = ppo_factory(str(args.student), {})
         labeller = student_labeller(student, args.teacher)
     except ValueError as e:
         p.error(str(e))

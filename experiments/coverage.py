@@ -44,7 +44,7 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--episodes", type=int, default=6, help="training workloads to draw")
     p.add_argument("--seed", type=int, default=5)
-    p.add_argument("--teacher", default="mpc:routing=0")
+    p.add_argument("--teacher", default="mpc[routing=false]")
     p.add_argument("--mix-share", type=float, default=0.0)
     p.add_argument("--mix-load", type=checked(positive_range), default="1")
     p.add_argument("--generated-share", type=float, default=0.25)
@@ -63,7 +63,7 @@ def main() -> None:
         if args.run is None or args.rate is None:
             p.error("--student needs --run and --rate")
         try:
-            student = ppo_factory(str(args.student))
+            student = ppo_factory(str(args.student), {})
             labeller = student_labeller(student, args.teacher)
         except ValueError as e:
             p.error(str(e))

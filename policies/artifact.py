@@ -57,8 +57,8 @@ class PolicyArtifact:
         self._mean = np.asarray(norm.get("mean", np.zeros(size)), dtype=np.float32)
         self._std = np.asarray(norm.get("std", np.ones(size)), dtype=np.float32)
         self._clip = float(norm.get("clip", 1e9))
-        # a network fitted on a range extrapolates arbitrarily past it (issue 14, stop 15:
-        # the 4k+ features on Mooncake sit at 4x their training maximum); the clip bounds that
+        # a network fitted on a range extrapolates arbitrarily past it (measured: the 4k+
+        # features on Mooncake sit at 4x their training maximum); the clip bounds that
         self._bounds: tuple[np.ndarray, np.ndarray] | None = None
         if (bounds := self.metadata.get("obs_range")) is not None:
             low = np.asarray(bounds["low"], dtype=np.float32)

@@ -48,7 +48,7 @@ import copy
 import math
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +67,7 @@ from rlbatch.control.types import (
 )
 from rlbatch.request import Request
 from rlbatch.serving.twin import StatsTwin, Twin, replay, roll_out
+from rlbatch.settings import apply
 
 
 @dataclass(frozen=True)
@@ -435,46 +436,25 @@ def busiest(arrivals: Sequence[Request], window_s: float) -> Sequence[Request]:
     return arrivals[best_lo:best_lo + best_n]
 
 
-_KEYS = {"horizon": "horizon_s", "every": "every_s", "window": "window_s",
-         "floor": "attainment_floor", "memory": "memory_s", "margin": "switch_margin",
-         "backlog": "backlog", "stress_memory": "stress_memory_s",
-         "stress_rate": "stress_rate", "tolerance": "tolerance", "project": "project_s",
-         "fp8_cost": "fp8_cost", "fair_slack": "fair_slack",
-         "fair_min": "fair_min_requests"}
 
-_FLAGS = {"trims": "trims", "routing": "routing", "guard": "guarded", "stress": "stress",
-          "sticky": "sticky", "fair": "fair",
-          "weigh_misses": "weigh_misses", "no_shrink": "no_shrink_when_late"}
+@dataclass(frozen=True)
+class MpcSettings(MpcConfig):
+    """Settings of ``mpc``: the planner's knobs (:class:`MpcConfig`) and its guard.
+
+    :param guard: the guard its candidates are checked behind and its actions pass.
+    """
+
+    guard: GuardConfig = GuardConfig()  # noqa: RUF009 (frozen, compared by value)
 
 
-def mpc_factory(arg: str) -> MpcController:
-    """``mpc`` or ``mpc:KEY=VALUE/...``, e.g. ``mpc:horizon=60/every=10/totals=8-64/guard=0``
-    (``/`` separates options: commas separate controllers on the command line). Keys:
-    horizon, every, window, floor, memory, margin, backlog, project, stress_memory,
-    stress_rate, tolerance, fp8_cost, fair_slack, fair_min (numbers), trims, routing,
-    stress, guard, sticky, fair,
-    weigh_misses, no_shrink (0/1), totals (``-``-separated)."""
-    changes: dict[str, Any] = {}
-    for part in arg.replace(",", "/").split("/"):
-        if not part:
-            continue
-        key, eq, value = part.partition("=")
-        try:
-            if not eq:
-                raise ValueError
-            if key in _KEYS:
-                changes[_KEYS[key]] = float(value)
-            elif key in _FLAGS:
-                changes[_FLAGS[key]] = value not in ("0", "false", "no", "off")
-            elif key == "totals":
-                changes["totals"] = tuple(int(v) for v in value.split("-"))
-            else:
-                raise ValueError
-        except ValueError:
-            keys = ", ".join([*_KEYS, *_FLAGS, "totals"])
-            raise ValueError(f"mpc options: {keys} as key=value separated by '/', e.g. "
-                             f"mpc:horizon=60/every=10; got mpc:{arg}") from None
-    controller = MpcController(MpcConfig(**changes))
+def mpc_factory(arg: str, settings: Mapping[str, Any]) -> MpcController:
+    """``mpc``; settings: :class:`MpcSettings` (the fields of :class:`MpcConfig` and
+    ``guard``), e.g. ``mpc[horizon_s=60,every_s=10,totals=8,16,32,64,guarded=false]``.
+
+    :raises ValueError: an argument after ``mpc:``, or a bad setting.
+    """
     if arg:
-        controller.name = f"mpc:{arg}"
-    return controller
+        raise ValueError(f"mpc takes settings in brackets, e.g. mpc[horizon_s=60]; got "
+                         f"mpc:{arg}")
+    cfg = apply(MpcSettings(), settings)
+    return MpcController(cfg, cfg.guard)

@@ -10,40 +10,36 @@ The policy's proposals go through the one decision pipeline
 (:class:`~rlbatch.control.pipeline.DecisionPipeline`), as in the env it was trained in: what
 it holds back is released once a queue head has waited half the SLA's TTFT (the trimmed
 bucket's trim, and the total whatever TPOT is: :mod:`rlbatch.control.hold_release`;
-``ppo:PATH:release=F`` for another fraction, ``ppo:PATH:release=off`` for none,
-``ppo:PATH:release_tpot=1`` to hold the total while TPOT P99 is over its SLA), then the guard
-makes it safe.
+``ppo:PATH[release.wait_fraction=F]`` for another fraction, ``ppo:PATH[release=none]`` for
+none, ``ppo:PATH[release.tpot_tolerance=1]`` to hold the total while TPOT P99 is over its
+SLA), then the guard makes it safe.
 
 Admission's queues are in deadline order: a request that can no longer meet its TTFT goes
 after those that still can, and the engines are given no more requests than they run at once,
 so the waiting happens where that order applies (:mod:`rlbatch.control.discipline`;
-``ppo:PATH:order=fifo`` for FIFO).
+``ppo:PATH[order=fifo]`` for FIFO). The settings are :class:`PpoSettings`.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from policies.artifact import ArtifactError, PolicyArtifact, load_artifact
 from policies.rules import GuardedController
 from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, Codec, make_codec
-from rlbatch.control.discipline import PPO_QUEUE_ORDER, QueueOrder, check_queue_order
+from rlbatch.control.discipline import PPO_QUEUE_ORDER, QueueOrder
 from rlbatch.control.guard import GuardConfig
 from rlbatch.control.guard_record import guard_from_record, record_mismatch
-from rlbatch.control.hold_release import (
-    HOLD_RELEASE_FRACTION,
-    RELEASE_TPOT_TOLERANCE,
-    HoldRelease,
-)
+from rlbatch.control.hold_release import DEFAULT_RELEASE, HoldRelease
 from rlbatch.control.observation import ObservationBuilder
 from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats
+from rlbatch.settings import apply
 
 log = logging.getLogger(__name__)
-
-
 
 def artifact_guard(artifact: PolicyArtifact) -> GuardConfig:
     """The guard a policy is served behind: the one its artifact records (the one it was
@@ -86,7 +82,7 @@ class PpoController(GuardedController):
 
     def __init__(self, artifact: PolicyArtifact, name: str = "ppo",
                  guard: GuardConfig | None = None,
-                 release: HoldRelease | None = HoldRelease(),  # noqa: B008 (frozen)
+                 release: HoldRelease | None = DEFAULT_RELEASE,
                  order: QueueOrder = PPO_QUEUE_ORDER) -> None:
         super().__init__(name, guard or artifact_guard(artifact), order, release)
         self.artifact = artifact
@@ -141,84 +137,34 @@ class PpoController(GuardedController):
         return self._held
 
 
-_OPTION = re.compile(r"[a-z_]+=")
-"""What a ``ppo:PATH:KEY=VALUE`` option looks like (a path's last part rarely does)."""
+@dataclass(frozen=True)
+class PpoSettings:
+    """Settings of ``ppo:PATH`` (:class:`PpoController`).
 
-
-def _option_error(key: str, value: str, arg: str) -> ValueError:
-    hint = {"release": "a fraction of the SLA's TTFT > 0 or 'off', e.g. release=0.5",
-            "release_tpot": "a multiple of the SLA's TPOT >= 1 or 'inf', e.g. release_tpot=1.5",
-            "order": "fifo or deadline, e.g. order=fifo"}[key]
-    return ValueError(f"ppo option {key} takes {hint}; got {key}={value} in ppo:{arg}")
-
-
-def _release_option(value: str, arg: str) -> float | None:
-    """``release=F`` (a finite fraction > 0) or ``release=off`` (``None``)."""
-    if value == "off":
-        return None
-    try:
-        release = float(value)
-    except ValueError:
-        raise _option_error("release", value, arg) from None
-    if not (math.isfinite(release) and release > 0):
-        raise _option_error("release", value, arg)
-    return release
-
-
-def _tolerance_option(value: str, arg: str) -> float:
-    """``release_tpot=X`` (>= 1, ``inf`` allowed)."""
-    try:
-        tolerance = float(value)
-    except ValueError:
-        raise _option_error("release_tpot", value, arg) from None
-    if not tolerance >= 1.0:
-        raise _option_error("release_tpot", value, arg)
-    return tolerance
-
-
-def ppo_factory(arg: str) -> PpoController:
-    """``ppo:PATH`` (a folder with policy.json + policy.safetensors, or the JSON file),
-    optionally followed, in any order, by ``:release=F`` / ``:release=off`` (the hold release's
-    fraction of the SLA's TTFT, default
-    :data:`~rlbatch.control.hold_release.HOLD_RELEASE_FRACTION`; ``off``: none) and
-    ``:release_tpot=X`` (the total is released unless TPOT P99 is over X times the SLA's TPOT,
-    default :data:`~rlbatch.control.hold_release.RELEASE_TPOT_TOLERANCE`; ``inf``: whatever
-    TPOT is) and ``:order=fifo`` / ``:order=deadline`` (the order of admission's queues,
-    default :data:`~rlbatch.control.discipline.PPO_QUEUE_ORDER`).
-
-    :raises ValueError: an unknown option, one given twice, a bad value, ``release_tpot``
-        with ``release=off`` (it would do nothing), or no path.
+    :param order: the order of admission's queues (``deadline``, the order the shipped
+        policies are fine-tuned and served in, or ``fifo``).
+    :param release: when what the policy holds back is released
+        (:class:`~rlbatch.control.hold_release.HoldRelease`: ``release.wait_fraction``,
+        ``release.tpot_tolerance``); ``none``: never.
+    :param guard: the guard to serve behind (default: the one the artifact records; another
+        one is logged as a warning).
     """
-    release: float | None = HOLD_RELEASE_FRACTION
-    tolerance = RELEASE_TPOT_TOLERANCE
+
     order: QueueOrder = PPO_QUEUE_ORDER
-    seen: set[str] = set()
-    path = arg
-    while True:
-        head, sep, option = path.rpartition(":")
-        if not (sep and _OPTION.match(option)):
-            break
-        key, _, value = option.partition("=")
-        if key not in ("release", "release_tpot", "order"):
-            raise ValueError(f"unknown ppo option {key!r} in ppo:{arg} (options: release=F or "
-                             f"release=off, release_tpot=X, order=fifo|deadline)")
-        if key in seen:
-            raise ValueError(f"ppo option {key} given twice in ppo:{arg}")
-        seen.add(key)
-        if key == "release":
-            release = _release_option(value, arg)
-        elif key == "order":
-            try:
-                order = check_queue_order(value)
-            except ValueError:
-                raise _option_error("order", value, arg) from None
-        else:
-            tolerance = _tolerance_option(value, arg)
-        path = head
-    if not path:
+    release: HoldRelease | None = DEFAULT_RELEASE
+    guard: GuardConfig | None = None
+
+
+def ppo_factory(arg: str, settings: Mapping[str, Any]) -> PpoController:
+    """``ppo:PATH``: a folder with policy.json + policy.safetensors, or the JSON file; settings:
+    :class:`PpoSettings`, e.g. ``ppo:policies/default[order=fifo,release=none]``,
+    ``ppo:policies/default[release.wait_fraction=0.25]``.
+
+    :raises ValueError: no path, or a bad setting.
+    :raises ArtifactError: the artifact cannot be loaded.
+    """
+    if not arg:
         raise ValueError("ppo needs an artifact path, e.g. ppo:policies/default")
-    if release is None and "release_tpot" in seen:
-        raise ValueError(f"ppo option release_tpot does nothing with release=off (ppo:{arg})")
-    return PpoController(load_artifact(Path(path)), name=f"ppo:{arg}",
-                         release=None if release is None else HoldRelease(release, tolerance),
-                         order=order)
+    cfg = apply(PpoSettings(), settings)
+    return PpoController(load_artifact(Path(arg)), name=f"ppo:{arg}", guard=cfg.guard,
+                         release=cfg.release, order=cfg.order)

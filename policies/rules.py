@@ -6,14 +6,19 @@ PPO agent learns behind; ``guard_overrides_total`` counts what the guard changed
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
 import numpy as np
 
 from rlbatch.control.controllers import Controller
-from rlbatch.control.discipline import KvBudget, QueueOrder, check_queue_order
+from rlbatch.control.discipline import KvBudget, QueueOrder
 from rlbatch.control.guard import Guard, GuardConfig
 from rlbatch.control.hold_release import HoldRelease
 from rlbatch.control.pipeline import DecisionPipeline
 from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats, balanced_route
+from rlbatch.settings import apply
 
 
 class GuardedController(Controller):
@@ -188,41 +193,88 @@ class RandomController(GuardedController):
         return ControlAction(caps, chosen)
 
 
-def _no_arg(name: str, arg: str) -> None:
-    if arg:
-        raise ValueError(f"{name} takes no argument, got {name}:{arg}")
+DEFAULT_GUARD = GuardConfig()
 
 
-def playbook_factory(arg: str) -> PlaybookController:
+@dataclass(frozen=True)
+class PlaybookSettings:
+    """Settings of ``playbook`` (:class:`PlaybookController`).
+
+    :param short_cap: cap of the short-prompt buckets.
+    :param long_cap: cap of the long-prompt buckets.
+    :param long_from_tokens: buckets starting at or above this prompt length are long.
+    :param guard: the guard (default: the guide's rules, :data:`PLAYBOOK_GUARD`).
+    """
+
+    short_cap: int = 32
+    long_cap: int = 8
+    long_from_tokens: int = 2048
+    guard: GuardConfig = PLAYBOOK_GUARD
+
+
+@dataclass(frozen=True)
+class AimdSettings:
+    """Settings of ``aimd`` (:class:`AimdController`).
+
+    :param start_cap: initial cap.
+    :param increase: additive step.
+    :param decrease: multiplicative factor on breach.
+    :param target: fraction of the SLA aimed at.
+    :param cooldown_s: at most one decrease per this many seconds.
+    :param guard: the guard.
+    """
+
+    start_cap: int = 8
+    increase: int = 1
+    decrease: float = 0.5
+    target: float = 0.9
+    cooldown_s: float = 10.0
+    guard: GuardConfig = DEFAULT_GUARD
+
+
+@dataclass(frozen=True)
+class GuardSettings:
+    """Settings of a rule that has only its guard (``random``).
+
+    :param guard: the guard.
+    """
+
+    guard: GuardConfig = DEFAULT_GUARD
+
+
+def playbook_factory(arg: str, settings: Mapping[str, Any]) -> PlaybookController:
     """``playbook``, ``playbook:literal`` (no-batching fallback on TTFT too) or
-    ``playbook:guard`` (the routing behind the default guard)."""
-    variants = {"": PLAYBOOK_GUARD, "literal": PLAYBOOK_LITERAL_GUARD, "guard": GuardConfig()}
+    ``playbook:guard`` (the routing behind the default guard); settings:
+    :class:`PlaybookSettings`."""
+    variants = {"": PLAYBOOK_GUARD, "literal": PLAYBOOK_LITERAL_GUARD, "guard": DEFAULT_GUARD}
     if arg not in variants:
         raise ValueError(f"playbook variants: playbook, playbook:literal, playbook:guard; "
                          f"got playbook:{arg}")
-    controller = PlaybookController(guard=variants[arg])
+    cfg = apply(PlaybookSettings(guard=variants[arg]), settings)
+    return PlaybookController(cfg.short_cap, cfg.long_cap, cfg.long_from_tokens, cfg.guard)
+
+
+def aimd_factory(arg: str, settings: Mapping[str, Any]) -> AimdController:
+    """``aimd``; settings: :class:`AimdSettings`."""
     if arg:
-        controller.name = f"playbook:{arg}"
-    return controller
+        raise ValueError(f"aimd takes no argument, got aimd:{arg}")
+    cfg = apply(AimdSettings(), settings)
+    return AimdController(cfg.start_cap, cfg.increase, cfg.decrease, cfg.target,
+                          cfg.cooldown_s, cfg.guard)
 
 
-def aimd_factory(arg: str) -> AimdController:
-    _no_arg("aimd", arg)
-    return AimdController()
-
-
-def random_factory(arg: str) -> RandomController:
+def random_factory(arg: str, settings: Mapping[str, Any]) -> RandomController:
+    """``random[:SEED]``; settings: :class:`GuardSettings`."""
     try:
         seed = int(arg) if arg else 0
     except ValueError:
         raise ValueError(f"random takes an integer seed, e.g. random:3; got random:{arg}") \
             from None
-    return RandomController(seed)
-
+    return RandomController(seed, apply(GuardSettings(), settings).guard)
 
 
 class FixedController(GuardedController):
-    """``fixed:CAPS[:OPTION...]``: fixed caps behind the guard (see :func:`fixed_factory`).
+    """``fixed:CAPS``: fixed caps behind the guard (see :func:`fixed_factory`).
 
     :param name: the command-line name.
     :param caps: per-bucket caps (``None`` = no per-bucket cap); ``None`` = every bucket
@@ -250,43 +302,46 @@ class FixedController(GuardedController):
         return ControlAction(caps, (balanced_route(self.info.pool_names),) * n, self.total)
 
 
-_SWITCHABLE = ("warmup", "kv_high", "p99", "efficiency", "kv_budget")
-_FALLBACKS = ("proportional", "halve", "no_batching")
-_NUMERIC = {"kv_budget": ("fraction", "a fraction"),
-            "surge": ("p99_surge_ratio",
-                      "a ratio (0: trim long buckets whether or not they surge)")}
-"""``fixed`` options ``KEY=NUMBER``: the guard field (``fraction``: the KV budget's) each sets
-and what it takes."""
+@dataclass(frozen=True)
+class FixedSettings:
+    """Settings of ``fixed`` (:class:`FixedController`).
+
+    :param order: the order of admission's queues (``fifo`` or ``deadline``).
+    :param guarded: ``false`` switches every rule of the guard off (its sanitising stays):
+        the caps as they are, as ``static:N`` but through admission.
+    :param guard: the guard (its rules, the P99 fallback, the KV budget).
+    """
+
+    order: QueueOrder = "fifo"
+    guarded: bool = True
+    guard: GuardConfig = DEFAULT_GUARD
 
 
-def fixed_factory(arg: str) -> FixedController:
-    """``fixed:CAPS[:OPTION...]``: the same caps every tick, behind the (default) guard.
+UNGUARDED = replace(DEFAULT_GUARD, warmup=False, kv_high=False, p99=False, efficiency=False,
+                    kv_budget=None)
+"""Every rule off; the sanitising stays."""
+
+
+def fixed_factory(arg: str, settings: Mapping[str, Any]) -> FixedController:
+    """``fixed:CAPS``: the same caps every tick, behind the (default) guard.
 
     ``CAPS`` is either
     - ``N``: a total cap of N running sequences (``max_num_seqs=N``, no per-bucket cap: the
       same action as ``static:N``, but guarded);
-    - ``A/B/C/D`` (or ``A,B,C,D`` where commas do not separate controllers): one cap per
-      bucket, ``-`` for a bucket without cap; ``A/B/C/D@N`` adds a total cap N.
+    - ``A/B/C/D``: one cap per bucket, ``-`` for a bucket without cap; ``A/B/C/D@N`` adds a
+      total cap N.
 
-    Each ``OPTION`` changes the guard, except ``order=``: ``no<rule>`` switches a rule off
-    (``nowarmup``, ``nokv_high``, ``nop99``, ``noefficiency``, ``nokv_budget``),
-    ``unguarded`` switches them all off (sanitising stays), ``proportional`` / ``halve`` /
-    ``no_batching`` choose the P99 fallback, ``kv_budget=F`` sets the committed-KV budget's
-    fraction of the pool, ``commit=final`` / ``commit=peak`` what that budget counts
-    (:class:`~rlbatch.control.discipline.KvBudget`), ``surge=R`` the surge ratio of the
-    proportional fallback (``surge=0``: trim long buckets whether or not they surge, the
-    earlier rule). ``order=deadline`` puts admission's queues in deadline order
-    (:mod:`rlbatch.control.discipline`; default ``fifo``).
-    Examples: ``fixed:64``, ``fixed:64/64/64/64``, ``fixed:64:nop99``, ``fixed:256:surge=0``,
-    ``fixed:64/64/64/64:halve``, ``fixed:32/32/8/8@48``.
+    Settings: :class:`FixedSettings`, e.g. ``fixed:256[order=deadline]``,
+    ``fixed:64[guard.p99=false]``, ``fixed:64/64/64/64[guard.p99_fallback=halve]``,
+    ``fixed:64[guard.kv_budget.fraction=0.8,guard.kv_budget.commit=final]``,
+    ``fixed:256[guarded=false]``.
     """
-    spec, *options = arg.split(":")
-    usage = "e.g. fixed:64, fixed:64/64/64/64, fixed:64/-/8/8@48, fixed:64:nop99"
-    if not spec:
+    usage = "e.g. fixed:64, fixed:64/64/64/64, fixed:64/-/8/8@48"
+    if not arg:
         raise ValueError(f"fixed needs caps, {usage}; got fixed:{arg}")
-    caps_text, at, total_text = spec.partition("@")
+    caps_text, at, total_text = arg.partition("@")
     try:
-        parts = caps_text.replace(",", "/").split("/")
+        parts = caps_text.split("/")
         if len(parts) == 1 and not at:
             caps: tuple[int | None, ...] | None = None
             total: int | None = int(parts[0])
@@ -298,40 +353,7 @@ def fixed_factory(arg: str) -> FixedController:
                          f"fixed:{arg}") from None
     if (total is not None and total < 1) or any(c is not None and c < 1 for c in caps or ()):
         raise ValueError(f"fixed caps must be >= 1, got fixed:{arg}")
-    changes: dict[str, object] = {}
-    budget: dict[str, object] = {}  # the KV budget's fields
-    budget_on = True
-    order: QueueOrder = "fifo"
-    for option in options:
-        if option == "unguarded":
-            changes.update(dict.fromkeys(_SWITCHABLE[:-1], False))
-            budget_on = False
-        elif option == "nokv_budget":
-            budget_on = False
-        elif option.startswith("no") and option[2:] in _SWITCHABLE:
-            changes[option[2:]] = False
-        elif option in _FALLBACKS:
-            changes["p99_fallback"] = option
-        elif option.partition("=")[0] == "commit":
-            budget["commit"] = option.partition("=")[2]
-        elif option.partition("=")[0] == "order":
-            try:
-                order = check_queue_order(option.partition("=")[2])
-            except ValueError as exc:
-                raise ValueError(f"{exc} in fixed:{arg}") from None
-        elif option.partition("=")[0] in _NUMERIC:
-            key, _, text = option.partition("=")
-            field, meaning = _NUMERIC[key]
-            try:
-                (budget if key == "kv_budget" else changes)[field] = float(text)
-            except ValueError:
-                raise ValueError(f"{key}= needs {meaning}, got {option!r} in "
-                                 f"fixed:{arg}") from None
-        else:
-            raise ValueError(f"unknown fixed option {option!r} in fixed:{arg}; options: "
-                             f"{', '.join('no' + r for r in _SWITCHABLE)}, unguarded, "
-                             f"{', '.join(_FALLBACKS)}, kv_budget=FRACTION, surge=RATIO, "
-                             f"commit=final|peak, order=fifo|deadline")
-    kv_budget = KvBudget(**budget)  # type: ignore[arg-type]  # validated even when off
-    guard = GuardConfig(**changes, kv_budget=kv_budget if budget_on else None)  # type: ignore[arg-type]
-    return FixedController(f"fixed:{arg}", caps, total, guard, order)
+    cfg = apply(FixedSettings(), settings)
+    guard = cfg.guard if cfg.guarded else replace(UNGUARDED, ladder=cfg.guard.ladder,
+                                                  max_total_cap=cfg.guard.max_total_cap)
+    return FixedController(f"fixed:{arg}", caps, total, guard, cfg.order)

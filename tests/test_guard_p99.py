@@ -3,6 +3,7 @@ controller: unit behaviour, a flood of long reports into chat traffic, and a con
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -190,25 +191,36 @@ def test_bad_config_values_name_the_field(field: str, value: object) -> None:
         GuardConfig(**{field: value})  # type: ignore[arg-type]
 
 
-def test_fixed_controller_grammar() -> None:
-    total = fixed_factory("64")
+def test_fixed_controller_caps_and_settings() -> None:
+    total = fixed_factory("64", {})
     assert (total.caps, total.total, total.guard.config) == (None, 64, GuardConfig())
-    per_bucket = make_controller("fixed:64,32,-,8")
-    assert per_bucket.name == "fixed:64,32,-,8"
+    per_bucket = make_controller("fixed:64/32/-/8")
+    assert per_bucket.name == "fixed:64/32/-/8"
     assert (per_bucket.caps, per_bucket.total) == ((64, 32, None, 8), None)  # type: ignore[attr-defined]
-    both = fixed_factory("32/32/8/8@48:nop99:halve")
-    assert (both.caps, both.total) == ((32, 32, 8, 8), 48)
-    assert not both.guard.config.p99 and both.guard.config.p99_fallback == "halve"
-    unguarded = fixed_factory("64:unguarded").guard.config
+    both = make_controller("fixed:32/32/8/8@48[guard.p99=false,guard.p99_fallback=halve]")
+    assert both.name == "fixed:32/32/8/8@48[guard.p99=false,guard.p99_fallback=halve]"
+    assert (both.caps, both.total) == ((32, 32, 8, 8), 48)  # type: ignore[attr-defined]
+    assert both.pipeline is not None
+    assert not both.pipeline.config.p99 and both.pipeline.config.p99_fallback == "halve"
+    unguarded = fixed_factory("64", {"guarded": "false"}).guard.config
     assert not (unguarded.warmup or unguarded.kv_high or unguarded.p99 or unguarded.efficiency
                 or unguarded.kv_budget)
-    assert fixed_factory("256:surge=0").guard.config.p99_surge_ratio == 0.0
-    for bad in ("", "abc", "0", "64/0/1/1", "64:nop100", "64:bogus", "64/x", "64:surge=x"):
+    surge = fixed_factory("256", {"guard": {"p99_surge_ratio": "0"}})
+    assert surge.guard.config.p99_surge_ratio == 0.0
+    for bad in ("", "abc", "0", "64/0/1/1", "64/x"):
         with pytest.raises(ValueError, match="fixed"):
-            fixed_factory(bad)
+            fixed_factory(bad, {})
+    for bad_spec, message in [("fixed:64[guard.p99_magic=1]", "unknown setting 'guard.p99_magic'"),
+                              ("fixed:64[nop99]", "KEY=VALUE"),
+                              ("fixed:64[order=lifo]", "order takes fifo | deadline"),
+                              ("fixed:64[guard.p99_surge_ratio=x]", "takes a number"),
+                              ("fixed:64[order=fifo,order=deadline]", "given twice"),
+                              ("fixed:64:nop99", "fixed caps must be integers")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            make_controller(bad_spec)
     with pytest.raises(ValueError, match="3 bucket caps"):
-        fixed_factory("8/8/8").reset(INFO)
-    fixed = fixed_factory("64")
+        fixed_factory("8/8/8", {}).reset(INFO)
+    fixed = fixed_factory("64", {})
     fixed.reset(INFO)  # proposes exactly static:64's action, then guards it
     assert fixed.propose(None) == make_controller("static:64").reset(INFO)
 
@@ -261,8 +273,8 @@ FLOOD_UNGUARDED = (143.0, 370.0, 369.0, 227)
 
 def test_flood_of_long_reports_default_guard_brings_tpot_p99_back_under_sla() -> None:
     guarded, series = flood_run("fixed:256")
-    always, series_always = flood_run("fixed:256:surge=0")
-    unguarded, series_off = flood_run("fixed:256:nop99")
+    always, series_always = flood_run("fixed:256[guard.p99_surge_ratio=0]")
+    unguarded, series_off = flood_run("fixed:256[guard.p99=false]")
     assert recovery(series) == FLOOD_GUARDED
     assert recovery(series_always) == FLOOD_ALWAYS_TRIM
     assert recovery(series_off) == FLOOD_UNGUARDED

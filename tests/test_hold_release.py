@@ -11,6 +11,7 @@ import pytest
 from envs.batch_size import BatchSizeEnv
 from policies.ppo import PpoController, ppo_factory
 from rlbatch.buckets import Buckets
+from rlbatch.control.controllers import make_controller
 from rlbatch.control.guard import GuardConfig
 from rlbatch.control.hold_release import (
     HOLD_RELEASE_FRACTION,
@@ -138,28 +139,32 @@ def test_a_wait_that_is_not_positive_raises(wait_s: float) -> None:
         release(TRIMMED, None, wait_s)
 
 
-def test_ppo_spec_sets_the_release() -> None:
-    default = ppo_factory("policies/default")
+def test_ppo_settings_set_the_release() -> None:
+    default = make_controller("ppo:policies/default")
+    assert isinstance(default, PpoController)
     assert default.pipeline.release == HoldRelease(HOLD_RELEASE_FRACTION, RELEASE_TPOT_TOLERANCE)
-    assert _release("policies/default:release=0.25") == (0.25, RELEASE_TPOT_TOLERANCE)
-    off = ppo_factory("policies/default:release=off")
-    assert off.pipeline.release is None and off.name == "ppo:policies/default:release=off"
-    for bad in ("release=0", "release=-1", "release=soon"):
-        with pytest.raises(ValueError, match="release takes"):
-            ppo_factory(f"policies/default:{bad}")
-    assert _release("policies/default:release=0.25:release_tpot=inf") == (0.25, math.inf)
-    assert _release("policies/default:release_tpot=1.5:release=0.75") == (0.75, 1.5)
-    for bad in ("release_tpot=0.9", "release_tpot=fast", "release_tpot=nan"):
-        with pytest.raises(ValueError, match="release_tpot takes"):
-            ppo_factory(f"policies/default:{bad}")
-    with pytest.raises(ValueError, match="release takes"):
-        ppo_factory("policies/default:release=inf")  # would never release: say off
-    with pytest.raises(ValueError, match="unknown ppo option 'release_tpt'"):
-        ppo_factory("policies/default:release_tpt=2")
-    with pytest.raises(ValueError, match="release given twice"):
-        ppo_factory("policies/default:release=0.5:release=0.25")
-    with pytest.raises(ValueError, match="does nothing with release=off"):
-        ppo_factory("policies/default:release=off:release_tpot=2")
+    assert _release("ppo:policies/default[release.wait_fraction=0.25]") == (
+        0.25, RELEASE_TPOT_TOLERANCE)
+    off = make_controller("ppo:policies/default[release=none]")
+    assert off.pipeline is not None and off.pipeline.release is None
+    assert off.name == "ppo:policies/default[release=none]"
+    for bad in ("0", "-1", "soon", "inf"):  # inf would never release: say none
+        with pytest.raises(ValueError, match="wait_fraction"):
+            make_controller(f"ppo:policies/default[release.wait_fraction={bad}]")
+    assert _release("ppo:policies/default[release.wait_fraction=0.25,"
+                    "release.tpot_tolerance=inf]") == (0.25, math.inf)
+    assert _release("ppo:policies/default[release.tpot_tolerance=1.5,"
+                    "release.wait_fraction=0.75]") == (0.75, 1.5)
+    for bad in ("0.9", "fast", "nan"):
+        with pytest.raises(ValueError, match="tpot_tolerance"):
+            make_controller(f"ppo:policies/default[release.tpot_tolerance={bad}]")
+    with pytest.raises(ValueError, match=r"unknown setting 'release\.tpot_tolerence'"):
+        make_controller("ppo:policies/default[release.tpot_tolerence=2]")
+    with pytest.raises(ValueError, match="given twice"):
+        make_controller("ppo:policies/default[release.wait_fraction=0.5,"
+                        "release.wait_fraction=0.25]")
+    with pytest.raises(ValueError, match="set as a value and as a table"):
+        make_controller("ppo:policies/default[release=none,release.tpot_tolerance=2]")
     with pytest.raises(ValueError, match="tpot_tolerance must be >= 1"):
         PpoController(default.artifact, release=HoldRelease(tpot_tolerance=0.5))
     with pytest.raises(ValueError, match="wait_fraction must be > 0"):
@@ -168,15 +173,17 @@ def test_ppo_spec_sets_the_release() -> None:
 
 def _release(spec: str) -> tuple[float, float]:
     """The hold release a ``ppo:`` spec sets: (wait fraction, TPOT tolerance)."""
-    release = ppo_factory(spec).pipeline.release
+    pipeline = make_controller(spec).pipeline
+    assert pipeline is not None
+    release = pipeline.release
     assert release is not None
     return release.wait_fraction, release.tpot_tolerance
 
 
-@pytest.mark.parametrize("spec", ["release_tpot=1", "release_tpot=inf"])
+@pytest.mark.parametrize("tolerance", ["1", "inf"])
 def test_the_controller_releases_the_total_with_its_tolerance(
-        spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    controller = ppo_factory(f"policies/default:{spec}")
+        tolerance: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    controller = ppo_factory("policies/default", {"release": {"tpot_tolerance": tolerance}})
     controller.reset(INFO)
     nvec = controller.artifact.nvec
     # the network's proposal pinned to the smallest total, so that only the release lifts it

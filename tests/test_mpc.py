@@ -173,7 +173,7 @@ def test_fair_mpc_never_chooses_a_starving_trim_that_it_would_otherwise() -> Non
     # is what frees the batch: unfiltered, the best rollout often starves the trimmed one
     rows = [(i / 20.0, [300, 1500, 3000, 3900][(7 * i) % 4] if i % 3 else 1500,
              100 + (31 * i) % 300) for i in range(600)]
-    c = mpc_factory("horizon=20/every=5/window=10/fair=1")
+    c = mpc_factory("", {"horizon_s": 20, "every_s": 5, "window_s": 10, "fair": True})
     decide = c._decide
     unfair_best = 0
     chosen: list[Key] = []
@@ -264,7 +264,7 @@ def _workload(rows: Sequence[tuple[float, int, int]]) -> Workload:
 
 
 def _decisions(workload: Workload, until_s: float) -> list[tuple[float, object, object]]:
-    c = mpc_factory("horizon=20/every=5/window=10")
+    c = mpc_factory("", {"horizon_s": 20, "every_s": 5, "window_s": 10})
     seen: list[tuple[float, object, object]] = []
     decide = c._decide
 
@@ -311,19 +311,21 @@ def test_mpc_rebuilds_a_stats_twin_without_a_bound_one() -> None:
 
 def test_mpc_in_an_evaluation_through_make_controller() -> None:
     assert isinstance(make_controller("mpc"), MpcController)
-    with pytest.raises(ValueError, match="mpc options"):
-        make_controller("mpc:bogus=1")
-    fair = make_controller("mpc:fair=0/fair_slack=0.05/fair_min=2")
+    with pytest.raises(ValueError, match="unknown setting 'bogus'; MpcSettings has horizon_s"):
+        make_controller("mpc[bogus=1]")
+    with pytest.raises(ValueError, match="mpc takes settings in brackets"):
+        make_controller("mpc:fair=0")
+    fair = make_controller("mpc[fair=false,fair_slack=0.05,fair_min_requests=2]")
     assert isinstance(fair, MpcController)
     assert (fair.config.fair, fair.config.fair_slack, fair.config.fair_min_requests) == (
         False, 0.05, 2.0)
     with pytest.raises(ValueError, match="fair_slack"):
         MpcConfig(fair_slack=-0.1)
     spec = DeploymentSpec(admission=AdmissionConfig(over_length="truncate"))
-    job = EvalJob("mpc:horizon=10/every=5", "poisson:rate=2,duration=30", 1.0, spec, None,
+    job = EvalJob("mpc[horizon_s=10,every_s=5]", "poisson:rate=2,duration=30", 1.0, spec, None,
                   None, 0, 60.0)
     (row,) = run_jobs([job], quiet=True)
-    assert row["controller"] == "mpc:horizon=10/every=5"
+    assert row["controller"] == "mpc[horizon_s=10,every_s=5]"
     assert row["mpc_decisions"] >= 6 and row["mpc_decision_ms_mean"] > 0
     assert row["completed"] + row["rejected"] + row["unfinished"] == row["submitted"] > 0
 

@@ -107,14 +107,14 @@ def test_bad_metadata_fails_clearly(tiny_run: tuple[Path, object], tmp_path: Pat
 
 def test_missing_artifact_fails_clearly(tmp_path: Path) -> None:
     with pytest.raises(ArtifactError, match="not found"):
-        ppo_factory(str(tmp_path / "nope"))
+        ppo_factory(str(tmp_path / "nope"), {})
     with pytest.raises(ValueError, match="needs an artifact path"):
-        ppo_factory("")
+        ppo_factory("", {})
 
 
 def test_mismatched_deployment_is_refused(tiny_run: tuple[Path, object]) -> None:
     out, _ = tiny_run
-    controller = ppo_factory(str(out / "final"))
+    controller = ppo_factory(str(out / "final"), {})
     workload = make_scenario("night", seed=1, duration_s=30)
     with pytest.raises(ArtifactError, match="pools"):
         run(workload, controller, DeploymentSpec(pools=parse_pools("fp16:1,fp8:1")))

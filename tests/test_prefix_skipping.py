@@ -177,7 +177,8 @@ def test_mooncake_slice_host_tier_skipping_equals_stepping(controller: str,
 
 # The budget counting every request at its count (commit=final): behind the peak budget
 # this slice loads nothing from the host tiers (tests/test_skipping_fuzz.py covers that one).
-@pytest.mark.parametrize("controller", ["fixed:64:commit=final", "fixed:256:commit=final"])
+@pytest.mark.parametrize("controller", ["fixed:64[guard.kv_budget.commit=final]",
+                                        "fixed:256[guard.kv_budget.commit=final]"])
 def test_two_pools_host_tier_behind_the_kv_budget_skipping_equals_stepping(
         controller: str, mooncake_trace: Path) -> None:
     # Two engines share the queue behind the KV budget while each loads from its host tier:

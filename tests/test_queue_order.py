@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 from hypothesis import given
@@ -31,7 +32,9 @@ from rlbatch.serving.admission import (
     Queued,
 )
 from rlbatch.serving.arrival_queue import turns_late_at
+from rlbatch.serving.builders import build_deployment
 from rlbatch.serving.deployment import DeploymentSpec
+from rlbatch.serving.loop import ControlLoop
 from rlbatch.serving.run import run
 from rlbatch.sidecar.control_tick import describe_action
 from rlbatch.workload.base import build_workload
@@ -254,7 +257,7 @@ def test_deadline_order_serves_more_within_the_sla_and_loses_nothing() -> None:
     spec = DeploymentSpec(num_kv_blocks=400)
     rows = {}
     for order in ("fifo", "deadline"):
-        result = run(workload, make_controller(f"fixed:4/4/4/4:order={order}"), spec)
+        result = run(workload, make_controller(f"fixed:4/4/4/4[order={order}]"), spec)
         rows[order] = result.row
         assert result.row["completed"] == len(workload)  # nothing dropped
     assert rows["deadline"]["goodput_rps"] > 1.5 * rows["fifo"]["goodput_rps"] > 0
@@ -269,44 +272,49 @@ INFO = DeploymentInfo(buckets=Buckets(), pools={"fp16": 1}, gpu="a100-80g", mode
 
 @pytest.mark.parametrize(("spec", "order", "budget"), [
     ("ppo:policies/default", "deadline", KvBudget()),
-    ("ppo:policies/default:order=deadline", "deadline", KvBudget()),
-    ("ppo:policies/default:release=0.25:order=deadline", "deadline", KvBudget()),
-    ("ppo:policies/default:order=fifo", "fifo", KvBudget()),
-    ("ppo:policies/default:release=off:order=fifo", "fifo", KvBudget()),
+    ("ppo:policies/default[order=deadline]", "deadline", KvBudget()),
+    ("ppo:policies/default[release.wait_fraction=0.25,order=deadline]", "deadline",
+     KvBudget()),
+    ("ppo:policies/default[order=fifo]", "fifo", KvBudget()),
+    ("ppo:policies/default[release=none,order=fifo]", "fifo", KvBudget()),
+    ("ppo:policies/default[guard.kv_budget=none]", "deadline", None),
     ("fixed:256", "fifo", KvBudget()),
-    ("fixed:256:order=deadline", "deadline", KvBudget()),
-    ("fixed:64/64/8/8:nop99:order=deadline", "deadline", KvBudget()),
-    ("fixed:64:nokv_budget:order=deadline", "deadline", None),
-    ("fixed:64:kv_budget=0.5:commit=final", "fifo", KvBudget(0.5, "final")),
+    ("fixed:256[order=deadline]", "deadline", KvBudget()),
+    ("fixed:64/64/8/8[guard.p99=false,order=deadline]", "deadline", KvBudget()),
+    ("fixed:64[guard.kv_budget=none,order=deadline]", "deadline", None),
+    ("fixed:64[guarded=false]", "fifo", None),
+    ("fixed:64[guard.kv_budget.fraction=0.5,guard.kv_budget.commit=final]", "fifo",
+     KvBudget(0.5, "final")),
     ("playbook", "fifo", KvBudget(commit="final")),
+    ("playbook[guard.kv_budget.commit=peak]", "fifo", KvBudget()),
     ("mpc", "fifo", KvBudget()),
-    ("mpc:guard=0", "fifo", None),
+    ("mpc[guarded=false]", "fifo", None),
     ("static:64", "fifo", None),
     ("vllm-default", "fifo", None),
 ])
-def test_controllers_declare_their_discipline_and_a_run_puts_it_in_force(
+def test_controllers_declare_their_discipline_and_the_loop_puts_it_in_force(
         spec: str, order: str, budget: KvBudget | None) -> None:
     controller = make_controller(spec)
     assert controller.discipline == AdmissionDiscipline(order, budget)  # type: ignore[arg-type]
-    seen = []
-    workload = build_workload([(0.1 * i, 300, 20, None) for i in range(20)], name="w",
-                              source="test")
-    spec_ = DeploymentSpec(sla=SLA(ttft_s=1.5))
-    run(workload, controller, spec_,
-        on_tick=lambda _: seen.append(0))
-    assert seen  # the run ticked (its admission was configured when the loop started)
+    deployment = build_deployment(DeploymentSpec(sla=SLA(ttft_s=1.5)))
+    ControlLoop(deployment, [Request(0, 0.0, 300, 20)], controller.reset(deployment.info),
+                discipline=controller.discipline)
+    admission = deployment.admission
+    assert admission.discipline == controller.discipline
+    assert admission.late_after_s == (1.5 if order == "deadline" else None)
+    assert admission.kv_budget_fraction == (None if budget is None else budget.fraction)
 
 
-def test_order_options_are_checked() -> None:
-    for bad in ("order=lifo", "order="):
-        with pytest.raises(ValueError, match="order takes fifo or deadline"):
-            ppo_factory(f"policies/default:{bad}")
-        with pytest.raises(ValueError, match="queue order must be one of"):
-            fixed_factory(f"256:{bad}")
-    with pytest.raises(ValueError, match="order given twice"):
-        ppo_factory("policies/default:order=fifo:order=deadline")
+def test_order_settings_are_checked() -> None:
+    for bad in ("lifo", ""):
+        with pytest.raises(ValueError, match=re.escape("order takes fifo | deadline")):
+            make_controller(f"ppo:policies/default[order={bad}]")
+        with pytest.raises(ValueError, match=re.escape("order takes fifo | deadline")):
+            fixed_factory("256", {"order": bad})
+    with pytest.raises(ValueError, match="'order' given twice"):
+        make_controller("ppo:policies/default[order=fifo,order=deadline]")
     with pytest.raises(ValueError, match="queue order must be one of"):
-        PpoController(ppo_factory("policies/default").artifact, order="lifo")  # type: ignore[arg-type]
+        PpoController(ppo_factory("policies/default", {}).artifact, order="lifo")  # type: ignore[arg-type]
     assert check_queue_order("deadline") == "deadline"
 
 
@@ -327,4 +335,4 @@ def test_the_env_serves_its_queues_in_the_order_it_is_given(order: str,
 
 def test_the_recipe_fine_tunes_in_the_order_ppo_serves() -> None:
     kwargs = recipe_env_kwargs("a100-80g", "llama-2-7b", "fp16", 600.0, 3, 5)
-    assert kwargs["queue_order"] == ppo_factory("policies/default").order == PPO_QUEUE_ORDER
+    assert kwargs["queue_order"] == ppo_factory("policies/default", {}).order == PPO_QUEUE_ORDER

@@ -268,17 +268,17 @@ def test_corrupt_or_missing_policy_refuses_to_start(tmp_path: Path) -> None:
     # A policy trained for other buckets or pools does not fit: refused before serving.
     good = fixed_policy(tmp_path / "pol2", [4, 4, 4, 4], ["fp16"] * 4)
     with pytest.raises(ArtifactError, match="pools"):
-        create_app(make_settings(("fp16", "http://127.0.0.1:9")), ppo_factory(str(good)))
+        create_app(make_settings(("fp16", "http://127.0.0.1:9")), ppo_factory(str(good), {}))
     with pytest.raises(ArtifactError, match="bucket edges"):
         create_app(make_settings(("fp16", "http://127.0.0.1:9"), ("fp8", "http://127.0.0.1:8"),
-                                 buckets=Buckets()), ppo_factory(str(good)))
+                                 buckets=Buckets()), ppo_factory(str(good), {}))
     # A policy that reads load relative to capacity needs the capacity: refused without it.
     relative = fixed_policy(tmp_path / "pol3", [4, 4, 4, 4], ["fp16"] * 4,
                             pool_names=("fp16",), obs_version=3)
     with pytest.raises(ValueError, match="capacity"):
-        create_app(make_settings(("fp16", "http://127.0.0.1:9")), ppo_factory(str(relative)))
+        create_app(make_settings(("fp16", "http://127.0.0.1:9")), ppo_factory(str(relative), {}))
     create_app(make_settings(("fp16", "http://127.0.0.1:9"), capacity_rps=5.0),
-               ppo_factory(str(relative)))
+               ppo_factory(str(relative), {}))
 
 
 # --------------------------------------------------------------------------- faults
@@ -443,7 +443,7 @@ def test_fixed_policy_is_deterministic(tmp_path: Path) -> None:
     from rlbatch.control.types import SLA, DeploymentInfo
 
     path = fixed_policy(tmp_path / "p", [2, 4, 1, 8], ["fp16", "fp16", "fp8", "fp8"])
-    ctl = ppo_factory(str(path))
+    ctl = ppo_factory(str(path), {})
     assert isinstance(ctl, PpoController)
     info = DeploymentInfo(BUCKETS, {"fp16": 1, "fp8": 1}, "x", "y", 32, 1024,
                           {"fp16": 10, "fp8": 10}, 16, 1024, 1.0, SLA())

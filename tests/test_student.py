@@ -325,7 +325,7 @@ def test_clip_observation_keeps_fine_tuning_inside_the_range() -> None:
 def test_student_labeller_records_the_students_states_with_the_teachers_labels(
         tmp_path: Path) -> None:
     student = PpoController(load_artifact("policies/two-pool"), name="student")
-    labeller = student_labeller(student, "mpc:routing=0")
+    labeller = student_labeller(student, "mpc[routing=false]")
     assert labeller.actor is student and labeller.codec.nvec == student.artifact.nvec
     spec = DeploymentSpec(pools={"fp16": 1, "fp8": 1})
     run(make_scenario("day", seed=0, duration_s=30.0), labeller, spec, drain_s=10.0)

@@ -24,7 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from policies.evaluation.compare import CONTESTED, compare, starved_shortfalls
-from rlbatch.commands.options import add_deployment_options, deployment_spec_from_args
+from rlbatch.commands.options import (
+    CONTROLLER_HELP,
+    add_deployment_options,
+    add_settings_option,
+    controllers_from_args,
+    deployment_spec_from_args,
+)
 from rlbatch.paths import traces_dir
 from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.tools.evaluate import EvalJob, load_job_workload, run_jobs
@@ -337,7 +343,9 @@ def main(argv: list[str] | None = None) -> int:
         "window, Mooncake) against static caps 4-256 and the playbook, per run and bucket.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--controllers", required=True,
-                   help="comma-separated candidates, e.g. ppo:policies/default,mpc")
+                   help=f"comma-separated candidates, e.g. ppo:policies/default,mpc, each "
+                        f"{CONTROLLER_HELP}")
+    add_settings_option(p)
     p.add_argument("--json", type=Path, help="write the unseen rows here")
     p.add_argument("--markdown", type=Path, help="write the report here")
     p.add_argument("--jobs", type=int, default=2, help="runs in parallel (processes)")
@@ -363,7 +371,10 @@ def main(argv: list[str] | None = None) -> int:
         spec = deployment_spec_from_args(args)
     except ValueError as exc:
         p.error(str(exc))
-    candidates = [c.strip() for c in args.controllers.split(",") if c.strip()]
+    try:
+        candidates = controllers_from_args(args.controllers, args.settings)
+    except ValueError as exc:
+        p.error(str(exc))
     if args.max_tokens is not None and args.max_tokens < 1:
         p.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
     multiplier = (rate_multiplier_for(spec.gpu, spec.model, spec.pools)

@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the student's share ladder: each bucket's cap is a share of the total "
                         "cap, increasing and ending at 1 (default %(default)s); '1': the "
                         "student chooses the total cap only and cannot trim a bucket (pair it "
-                        "with a teacher that does not trim, e.g. mpc:routing=0/trims=0)")
+                        "with a teacher that does not trim, e.g. mpc[routing=false,trims=false])")
     g.add_argument("--finetune-steps", type=int, default=r.finetune_steps,
                    help="PPO fine-tuning decisions after DAgger (0: none); the fine-tuned "
                         "student is one more checkpoint for selection")

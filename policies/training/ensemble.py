@@ -1,13 +1,13 @@
 """An ensemble of policy artifacts as one artifact: the mean of the members' action logits.
 
-Students cloned from one teacher differ in which states they get right: stops 12-17 of
-issue 14 found each seed's checkpoints starving a different held-back run. The mean of their
-logits (a product of the members' per-dimension action distributions) keeps an action only
-where the members agree on it. The merged network is exact, not an approximation: the members'
-first layers are stacked (they read the same observation), deeper layers are block-diagonal,
-and the action head is the members' heads side by side divided by their number. So serving
-needs nothing new (:class:`policies.artifact.PolicyArtifact`, numpy only) and the artifact
-format is unchanged.
+Students cloned from one teacher differ in which states they get right: measured over several
+single-student recipes, each seed's checkpoints starved a different held-back run
+(docs/notebook/BENCHMARKS-archive.md). The mean of their logits (a product of the members'
+per-dimension action distributions) keeps an action only where the members agree on it. The
+merged network is exact, not an approximation: the members' first layers are stacked (they read
+the same observation), deeper layers are block-diagonal, and the action head is the members'
+heads side by side divided by their number. So serving needs nothing new
+(:class:`policies.artifact.PolicyArtifact`, numpy only) and the artifact format is unchanged.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """``RecipeConfig.members > 1``: several students, each by the whole recipe, shipped as one.
 
-Issue 14, stop 18: every single-student recipe met the two-pool must-checks on at most 1-2 seeds of
-3, each seed's student starving a different held-back run. The mean of independently trained
-students' logits (:mod:`policies.training.ensemble`) acts only where they agree. Member ``k`` of
-seed ``s`` is the recipe with seed ``members * s + k`` (its own teacher workloads, DAgger rollouts,
-initialisation and selection) in ``OUT/member-k``; ``OUT/best`` is the merged artifact. A member
-whose folder already holds a finished run of the same configuration is reused, so an interrupted run
-loses only the member it was training.
+Measured (docs/notebook/BENCHMARKS-archive.md): every single-student recipe met the two-pool
+must-checks on at most 1-2 seeds of 3, each seed's student starving a different held-back run. The
+mean of independently trained students' logits (:mod:`policies.training.ensemble`) acts only where
+they agree. Member ``k`` of seed ``s`` is the recipe with seed ``members * s + k`` (its own teacher
+workloads, DAgger rollouts, initialisation and selection) in ``OUT/member-k``; ``OUT/best`` is the
+merged artifact. A member whose folder already holds a finished run of the same configuration is
+reused, so an interrupted run loses only the member it was training.
 """
 
 from __future__ import annotations

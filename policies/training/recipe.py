@@ -112,7 +112,7 @@ class RecipeConfig:
     :param shares: the student's share ladder (per-bucket shares of the total cap);
         ``(1.0,)``: the student chooses the total cap (and routes) only, so it cannot hold
         a bucket to a share of the batch. A teacher's trims are then projected away in its
-        labels, so pair it with a teacher that does not trim (``mpc:trims=0``).
+        labels, so pair it with a teacher that does not trim (``mpc[trims=false]``).
     :param rate_multiplier: multiplies every trace rate scale and generated load (a
         deployment with more capacity than one A100 serving llama-2-7b needs more load to
         reach its knee; :data:`policies.evaluation.protocol.RATE_MULTIPLIERS`).

@@ -9,11 +9,13 @@ from typing import Any
 from rlbatch.commands.argtypes import positive_floats
 from rlbatch.commands.catalog import HELP
 from rlbatch.commands.options import (
+    CONTROLLER_HELP,
     add_deployment_options,
+    add_settings_option,
     add_workload_options,
+    controllers_from_args,
     deployment_spec_from_args,
 )
-from rlbatch.control.controllers import controller_specs, make_controller
 from rlbatch.scale.cluster import add_ray_option
 from rlbatch.tools.evaluate import EvalJob, error_rows, run_jobs
 from rlbatch.tools.report import format_table, write_json
@@ -33,8 +35,9 @@ def register(sub: Any) -> None:
                          "(poisson:rate=5,duration=600,mix=night) or scenarios "
                          "(scenario:night, scenario:day:600; rate scale multiplies the load)")
     ev.add_argument("--controllers", default="static:{4,8,16,32},vllm-default",
-                    help="comma-separated controllers; static:{8,16} expands "
-                         "(default static:{4,8,16,32},vllm-default)")
+                    help=f"comma-separated controllers, each {CONTROLLER_HELP}; "
+                         f"static:{{8,16}} expands (default static:{{4,8,16,32}},vllm-default)")
+    add_settings_option(ev)
     ev.add_argument("--rate-scale", type=positive_floats, default=[1.0],
                     help="comma-separated time-compression factors (2 = twice the rate)")
     ev.add_argument("--json", default=None, help="write the rows to this JSON file")
@@ -53,9 +56,7 @@ def run(args: argparse.Namespace) -> int:
     :param args: parsed options.
     :returns: 0, or 1 when a run failed (``--ray``: its row carries the error).
     """
-    names = controller_specs(args.controllers)
-    for name in names:  # fail fast on a bad name, before any run
-        make_controller(name)
+    names = controllers_from_args(args.controllers, args.settings)
     spec = deployment_spec_from_args(args)
     jobs = [EvalJob(c, t, r, spec, args.window, args.max_requests, args.seed, args.drain_s,
                     args.max_tokens)

@@ -15,10 +15,13 @@ Spellings: ``--gpu``, ``--model``, ``--pools fp16:1,fp8:1``, ``--tp``, ``--max-n
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from typing import Any
 
 from rlbatch.buckets import Buckets
 from rlbatch.commands.argtypes import checked, non_negative_float, parse_window
+from rlbatch.control.controllers import make_controller
+from rlbatch.control.specs import controller_specs, with_overrides
 from rlbatch.control.types import SLA
 from rlbatch.engine.config import parse_pools
 from rlbatch.engine.reserve import KV_RESERVE_MODES
@@ -189,6 +192,43 @@ def add_workload_options(parser: argparse.ArgumentParser) -> None:
                    help="clients declare max_tokens=N (or the real output, if longer): the "
                         "ceiling of the guard's KV count (--kv-reserve); default: none "
                         "declared (traces carry only the real output)")
+
+
+# controllers
+
+
+CONTROLLER_HELP = ("a preset (static:N, vllm-default, playbook, aimd, random, fixed:N, mpc, "
+                   "ppo:PATH), the same with settings in brackets "
+                   "(fixed:256[order=deadline], ppo:PATH[release=none]) or a settings file "
+                   "(.toml)")
+
+
+def add_settings_option(group: Any) -> None:
+    """``--set KEY=VALUE``: settings added to every controller given (:mod:`rlbatch.control.
+    specs`).
+
+    :param group: a parser or argument group.
+    """
+    group.add_argument("--set", dest="settings", action="append", default=[],
+                       metavar="KEY=VALUE",
+                       help="a setting of every controller given, e.g. --set order=deadline, "
+                            "--set guard.p99=false, --set release.wait_fraction=0.25 (the "
+                            "keys are the fields of each controller's settings; repeat for "
+                            "more)")
+
+
+def controllers_from_args(text: str, overrides: Sequence[str]) -> list[str]:
+    """The controller specs a list and ``--set`` ask for, each built once so that a bad name
+    or setting fails before any run.
+
+    :param text: a comma-separated list (``static:{8,16}`` expands).
+    :param overrides: ``--set`` texts.
+    :raises ValueError: a bad name or setting (naming it).
+    """
+    specs = [with_overrides(s, overrides) for s in controller_specs(text)]
+    for spec in specs:
+        make_controller(spec)
+    return specs
 
 
 # live engine

@@ -26,13 +26,16 @@ from typing import Any
 from prometheus_client import disable_created_metrics
 
 from rlbatch.commands.options import (
+    CONTROLLER_HELP,
     add_buckets_option,
     add_gpu_model_options,
     add_over_length_option,
+    add_settings_option,
     add_sla_options,
     sla_from_args,
 )
 from rlbatch.control.controllers import make_controller
+from rlbatch.control.specs import with_overrides
 from rlbatch.sidecar.app import create_app, serve
 from rlbatch.sidecar.options import (
     add_production_options,
@@ -87,7 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a trained policy artifact (folder with policy.json + "
                             "policy.safetensors): the controller ppo:PATH")
     which.add_argument("--controller", metavar="SPEC",
-                       help="a named controller: playbook, static:N, aimd, ppo:PATH, ...")
+                       help=f"the controller: {CONTROLLER_HELP}")
+    add_settings_option(ctl)
     ctl.add_argument("--shadow", action="store_true",
                      help="decide and log every tick, never act (no caps, one pool)")
     ctl.add_argument("--shadow-pool", default=None,
@@ -168,11 +172,14 @@ def settings_from_args(args: argparse.Namespace) -> SidecarSettings:
 
 
 def controller_spec(args: argparse.Namespace) -> str:
-    """The controller name the options ask for (``--policy PATH`` means ``ppo:PATH``).
+    """The controller spec the options ask for (``--policy PATH`` means ``ppo:PATH``), with
+    the ``--set`` settings.
 
     :param args: parsed options.
+    :raises ValueError: a ``--set`` that is not KEY=VALUE or is given twice.
     """
-    return f"ppo:{args.policy}" if args.policy is not None else str(args.controller)
+    spec = f"ppo:{args.policy}" if args.policy is not None else str(args.controller)
+    return with_overrides(spec, args.settings)
 
 
 def run_loop(main: Callable[[], Coroutine[Any, Any, None]], loop: str = "auto") -> None:
@@ -214,7 +221,10 @@ def main(argv: list[str] | None = None, prog: str = "serve.py") -> int:
         settings = settings_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    spec = controller_spec(args)
+    try:
+        spec = controller_spec(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     try:
         check_start_policy(spec, settings)
         controller = make_controller(spec)

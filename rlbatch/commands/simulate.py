@@ -11,11 +11,13 @@ from tqdm import tqdm
 
 from rlbatch.commands.catalog import HELP
 from rlbatch.commands.options import (
+    CONTROLLER_HELP,
     add_deployment_options,
+    add_settings_option,
     add_workload_options,
+    controllers_from_args,
     deployment_spec_from_args,
 )
-from rlbatch.control.controllers import make_controller
 from rlbatch.tools.evaluate import EvalJob, load_job_workload, run_job
 from rlbatch.tools.report import format_buckets, format_table, write_json
 
@@ -29,7 +31,9 @@ def register(sub: Any) -> None:
                         description="Simulate one run and print its row and per-bucket "
                                     "figures.")
     si.add_argument("--trace", required=True, help="trace file or generator spec")
-    si.add_argument("--controller", default="static:16", help="controller (default static:16)")
+    si.add_argument("--controller", default="static:16",
+                    help=f"the controller: {CONTROLLER_HELP} (default static:16)")
+    add_settings_option(si)
     si.add_argument("--rate-scale", type=float, default=1.0, help="time-compression factor")
     si.add_argument("--json", default=None, help="write the row to this JSON file")
     si.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -43,8 +47,8 @@ def run(args: argparse.Namespace) -> int:
 
     :param args: parsed options.
     """
-    make_controller(args.controller)
-    job = EvalJob(args.controller, args.trace, args.rate_scale, deployment_spec_from_args(args),
+    (controller,) = controllers_from_args(args.controller, args.settings)
+    job = EvalJob(controller, args.trace, args.rate_scale, deployment_spec_from_args(args),
                   args.window, args.max_requests, args.seed, args.drain_s, args.max_tokens)
     workload = load_job_workload(job)
     with tqdm(total=round(workload.duration_s, 1), unit="sim-s", desc=workload.name,

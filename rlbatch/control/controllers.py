@@ -1,5 +1,8 @@
 """The Controller base class, the built-in baseline controllers and the controller registry.
 
+A controller is built from its spec (:mod:`rlbatch.control.specs`: a preset, typed settings
+in brackets, or a settings file).
+
 Controllers living outside the core package (rule controllers and PPO in ``policies/``)
 register through the ``rlbatch.controllers`` entry-point group, so the core never imports
 them: ``make_controller("playbook")`` finds them by name.
@@ -8,15 +11,21 @@ them: ``make_controller("playbook")`` finds them by name.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from importlib import metadata
 from typing import Any, ClassVar
 
 from rlbatch.control.discipline import PLAIN, AdmissionDiscipline
 from rlbatch.control.pipeline import DecisionPipeline
+from rlbatch.control.specs import controller_specs, parse_spec
 from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats, balanced_route
+from rlbatch.settings import SettingsError
 
 ENTRY_POINT_GROUP = "rlbatch.controllers"
+
+__all__ = ["BUILTIN_CONTROLLERS", "Controller", "ControllerFactory", "StaticController",
+           "VllmDefaultController", "available_controllers", "controller_specs",
+           "make_controller"]
 
 NO_GUARD_FLAGS: tuple[float, ...] = (0.0,) * 5
 """The guard's activity flags of a controller without a guard (no rule ever fires)."""
@@ -128,10 +137,18 @@ class VllmDefaultController(Controller):
         return self._action
 
 
-ControllerFactory = Callable[[str], Controller]
+ControllerFactory = Callable[[str, Mapping[str, Any]], Controller]
+"""Builds a controller from the argument of its preset (``16`` of ``static:16``) and its
+settings (a nested mapping of :mod:`rlbatch.settings` values, empty for the preset's own)."""
 
 
-def _static_factory(arg: str) -> Controller:
+def _no_settings(name: str, settings: Mapping[str, Any]) -> None:
+    if settings:
+        raise SettingsError(f"{name} takes no settings, got {', '.join(settings)}")
+
+
+def _static_factory(arg: str, settings: Mapping[str, Any]) -> Controller:
+    _no_settings("static:N", settings)
     try:
         n = int(arg)
     except ValueError:
@@ -140,7 +157,8 @@ def _static_factory(arg: str) -> Controller:
     return StaticController(n)
 
 
-def _vllm_default_factory(arg: str) -> Controller:
+def _vllm_default_factory(arg: str, settings: Mapping[str, Any]) -> Controller:
+    _no_settings("vllm-default", settings)
     if arg:
         raise ValueError(f"vllm-default takes no argument, got vllm-default:{arg}")
     return VllmDefaultController()
@@ -163,54 +181,36 @@ def available_controllers() -> dict[str, ControllerFactory]:
 
 
 def _lazy_factory(ep: metadata.EntryPoint) -> ControllerFactory:
-    def factory(arg: str) -> Controller:
+    def factory(arg: str, settings: Mapping[str, Any]) -> Controller:
         loaded: ControllerFactory = ep.load()
-        return loaded(arg)
+        return loaded(arg, settings)
 
     return factory
 
 
 def make_controller(spec: str) -> Controller:
-    """Build a controller from its command-line name: ``static:16``, ``vllm-default``, or any
-    name registered by a plugin (``playbook``, ``ppo:PATH``, ...)."""
-    name, _, arg = spec.strip().partition(":")
-    builtin = BUILTIN_CONTROLLERS.get(name)
-    if builtin is not None:  # built-ins win over plugins: no entry-point scan (milliseconds)
-        return builtin(arg)
-    factories = available_controllers()
-    if name not in factories:
-        raise ValueError(f"unknown controller {spec!r}; available: "
-                         f"{', '.join(sorted(factories))} (static takes :N, e.g. static:16)")
-    return factories[name](arg)
+    """Build a controller from its spec (:mod:`rlbatch.control.specs`): a preset
+    (``static:16``, ``vllm-default``, or a plugin's: ``playbook``, ``fixed:64``, ``mpc``,
+    ``ppo:PATH``), the same with settings (``fixed:256[order=deadline]``), or a settings
+    file (``my-controller.toml``).
 
-
-def controller_specs(text: str) -> list[str]:
-    """Split a comma-separated controller list; ``static:{4,8,16}`` expands to three."""
-    specs: list[str] = []
-    for part in _split_top_level(text):
-        if "{" in part and part.endswith("}"):
-            head, _, inner = part.partition("{")
-            specs.extend(head + x.strip() for x in inner[:-1].split(",") if x.strip())
-        elif part:
-            specs.append(part)
-    if not specs:
-        raise ValueError(f"no controller in {text!r}")
-    return specs
-
-
-def _split_top_level(text: str) -> list[str]:
-    parts: list[str] = []
-    depth = 0
-    current = ""
-    for ch in text:
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-        if ch == "," and depth == 0:
-            parts.append(current.strip())
-            current = ""
-        else:
-            current += ch
-    parts.append(current.strip())
-    return [p for p in parts if p]
+    :param spec: the spec.
+    :raises ValueError: an unknown controller, a bad argument or a bad setting (a
+        :class:`~rlbatch.settings.SettingsError` naming the key).
+    """
+    parsed = parse_spec(spec)
+    name, _, arg = parsed.preset.partition(":")
+    factory = BUILTIN_CONTROLLERS.get(name)
+    if factory is None:  # built-ins win over plugins: no entry-point scan (milliseconds)
+        factories = available_controllers()
+        if name not in factories:
+            raise ValueError(f"unknown controller {spec!r}; available: "
+                             f"{', '.join(sorted(factories))} (static takes :N, e.g. "
+                             f"static:16)")
+        factory = factories[name]
+    try:
+        controller = factory(arg, parsed.settings)
+    except SettingsError as exc:
+        raise SettingsError(f"{parsed.preset}: {exc}") from None
+    controller.name = parsed.name
+    return controller

@@ -76,6 +76,10 @@ class HoldRelease:
                              f"SLA's TPOT), got {self.tpot_tolerance}")
 
 
+DEFAULT_RELEASE = HoldRelease()
+"""The release ``ppo:PATH`` serves with and the recipe fine-tunes with."""
+
+
 def release_late_holds(action: ControlAction, stats: DeploymentStats | None, *,
                        wait_s: float, tpot_sla_s: float, max_total: int,
                        tpot_tolerance: float = RELEASE_TPOT_TOLERANCE) -> ControlAction:

@@ -12,7 +12,7 @@ tokens, the batch is too big for everyone (the mean over iterations, which is wh
 request waits per token: a few long prefill chunks among many short decode steps raise the
 tail, not the mean, and no total removes them; averaging per tick instead let one 0.6-0.9 s
 chunk in a second of 13 ms decodes count as a slow batch and cut the total to 1-4 on
-long-prompt traffic, BENCHMARKS.md issue 14, stop 25): the total (without a total, every
+long-prompt traffic, docs/notebook/BENCHMARKS-archive.md): the total (without a total, every
 occupied bucket) is trimmed to the running count x SLA / iteration time. Otherwise the tail
 comes from the prefills of the traffic's own bulk, which no cap removes without queueing that
 bulk, and nothing is trimmed. Decreases are at most one per ``cooldown_s``. Back within SLA for

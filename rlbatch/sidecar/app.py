@@ -48,6 +48,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from rlbatch.control.controllers import Controller
+from rlbatch.control.specs import spec_preset, spec_settings_text
 from rlbatch.sidecar.bodies import Refused, json_error
 from rlbatch.sidecar.connections import (
     ConnectionGuard,
@@ -234,15 +235,16 @@ class ServiceRoutes:
         :raises PolicyPathError: refused.
         """
         settings = self.sc.settings
+        preset = spec_preset(spec)
         path = policy_path_of(spec)
         if path is None:
-            _, _, arg = spec.partition(":")
-            if "/" in arg or "\\" in arg:
+            _, _, arg = preset.partition(":")
+            if "/" in arg or "\\" in arg or preset.endswith(".toml"):
                 raise PolicyPathError("only ppo:PATH controllers may name files")
             return spec
         resolved = confined_policy(path, settings.policy_dirs)
         check_policy_dir(resolved, settings.max_policy_bytes)
-        return f"ppo:{resolved}"
+        return f"ppo:{resolved}{spec_settings_text(spec)}"
 
 
 def not_found(served: web.Application) -> Handler:

@@ -14,6 +14,8 @@ import os
 import stat
 from pathlib import Path
 
+from rlbatch.control.specs import spec_preset
+
 POLICY_FILES: tuple[str, ...] = ("policy.json", "policy.safetensors")
 """The files of a policy artifact (:mod:`policies.artifact`)."""
 
@@ -75,9 +77,10 @@ def confined_policy(text: str, allowed: tuple[Path, ...]) -> Path:
 
 
 def policy_path_of(spec: str) -> str | None:
-    """The path of a ``ppo:PATH`` controller name (``None`` for other controllers).
+    """The path of a ``ppo:PATH`` controller spec (``None`` for other controllers).
 
-    :param spec: a controller name.
+    :param spec: a controller spec (settings in brackets allowed).
+    :raises ValueError: brackets out of place.
     """
-    kind, sep, rest = spec.partition(":")
+    kind, sep, rest = spec_preset(spec).partition(":")
     return rest if sep and kind == "ppo" else None

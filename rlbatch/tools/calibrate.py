@@ -20,9 +20,9 @@ since): the fit measures the per-request terms and the wake-up penalty with the 
 (:class:`~rlbatch.profiles.calibrated.StepCoefficients`), the wake-up's shape (decay per
 iteration, idle time scale) by a grid search around the linear fit. The sweep's points all
 start after an idle wait (``pause_s``), so without the wake-up term its cost lands in the
-prefill terms and every prefill of a busy engine is charged it (the light-load bias of
-issue 12). A wake probe (single requests after idle waits of 0.5-50 ms) measures how the
-penalty grows with the wait.
+prefill terms and every prefill of a busy engine is charged it (the simulator's light-load
+bias). A wake probe (single requests after idle waits of 0.5-50 ms) measures how the penalty
+grows with the wait.
 
 Command line: ``rlbatch calibrate`` (:mod:`rlbatch.commands.calibrate`).
 """

@@ -14,7 +14,7 @@ reports (:class:`FidelityReport`):
 * preemptions of both.
 
 Targets (DESIGN): median per-request latency error <= 5 %, P99 <= 10 %, throughput <= 5 %.
-Issue 12 holds each scenario to the live engine's own run-to-run floor instead
+The floor targets hold each scenario to the live engine's own run-to-run floor instead
 (:data:`FLOOR_TARGETS`, :meth:`FidelityReport.floor_targets`): median TTFT and e2e error <=
 max(5 %, 1.25 x the floor), per-request bias (median of sim / live - 1) within +-5 %,
 throughput <= 5 %. What limits them on the CPU engine: step times on a shared 2-core machine
@@ -88,7 +88,7 @@ TARGETS = {"latency_median": 0.05, "latency_p99": 0.10, "throughput": 0.05}
 
 FLOOR_TARGETS = {"latency_median": 0.05, "floor_factor": 1.25, "bias": 0.05,
                  "throughput": 0.05}
-"""Issue 12's targets: median TTFT / e2e error <= max(latency_median, floor_factor x the
+"""The floor targets: median TTFT / e2e error <= max(latency_median, floor_factor x the
 live-vs-live floor), |bias| <= bias, throughput error <= throughput."""
 
 FloatArray = npt.NDArray[np.float64]
@@ -166,7 +166,7 @@ class FidelityReport:
     step_time: StepTimeCheck | None = None
 
     def floor_targets(self) -> dict[str, bool] | None:
-        """Issue 12's targets (:data:`FLOOR_TARGETS`), ``None`` without a floor."""
+        """The floor targets (:data:`FLOOR_TARGETS`), ``None`` without a floor."""
         if self.ttft_floor is None or self.e2e_floor is None:
             return None
         t = FLOOR_TARGETS

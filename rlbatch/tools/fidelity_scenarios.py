@@ -1,7 +1,7 @@
 """The workloads of ``rlbatch fidelity``: loads relative to the calibrated capacity, a
 conversation workload with shared prefixes, and trace slices scaled to a small model.
 
-Issue 12 holds the simulator to the live engine at every load, so the default scenarios
+The simulator is held to the live engine at every load, so the default scenarios
 (:data:`SCENARIOS`) place Poisson traffic of the Azure-like length mix (prompts scaled to the
 tiny model's context) at a fraction of the capacity the calibrated simulator predicts for it
 (:func:`capacity`): ``light`` (0.25), ``knee`` (0.85), ``overload`` (1.3), and a conversation

@@ -3,7 +3,7 @@
 A controller trained on one service's traffic sees one length mix: Azure conversation
 traffic is 2% prompts of 4k tokens or more, Mooncake's is 60%. A student cloned from a planner
 on Azure alone has never seen a state where long prompts dominate, so what it does there is
-whatever its initialisation extrapolates to (measured: BENCHMARKS.md, issue 14, stop 14).
+whatever its initialisation extrapolates to (measured: docs/notebook/BENCHMARKS-archive.md).
 :func:`remix` keeps a slice's arrival process (its bursts and lulls) and gives each kept
 arrival the lengths of a request drawn from the training traffic's own pool, bucket by bucket
 at the given weights, so the mixes the student trains on cover the simplex of bucket shares

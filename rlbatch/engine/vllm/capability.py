@@ -5,7 +5,7 @@ vLLM's CPU attention backend holds an FP8 KV cache only where torch reports AVX-
 ARM, POWER, s390x or RISC-V CPU), and raises ``NotImplementedError`` only once the engine
 builds its cache, after the model has loaded; a ``vllm serve`` process exits with code 1.
 rlbatch checks first, so that an ``fp8`` pool on such a machine fails at once and says why
-(an AVX2-only AMD EPYC, stop 25). vLLM also refuses an FP8 KV cache for a head size that is
+(seen on an AVX2-only AMD EPYC). vLLM also refuses an FP8 KV cache for a head size that is
 a multiple of 16 but not of 32; that still fails late (the tiny model's heads are 32 wide).
 GPU builds of vLLM are not checked here: their FP8 support is the GPU's.
 """
