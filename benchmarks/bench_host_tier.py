@@ -127,7 +127,7 @@ def main() -> int:
     parser.add_argument("--gib", default="0,64,256,1024",
                         help="host tier sizes, GiB, 0 = off (default: %(default)s)")
     parser.add_argument("--controllers", default="static:64")
-    parser.add_argument("--repeat", type=int, default=1,
+    parser.add_argument("--repeats", type=int, default=1,
                         help="runs per cell; the wall time is the best (default 1)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
@@ -138,7 +138,7 @@ def main() -> int:
             for controller in args.controllers.split(","):
                 for gib in (float(x) for x in args.gib.split(",")):
                     r = measure(Path(args.trace), gpu, args.model, rate, gib, controller,
-                                args.repeat)
+                                args.repeats)
                     results.append(r)
                     print(f"{gpu} {rate:g} {controller} {gib:g} GiB: goodput "
                           f"{r['goodput']:.2f}, host hit {100 * r['host_hit']:.1f}%, "

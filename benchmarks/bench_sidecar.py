@@ -3,7 +3,7 @@ increasing request rates, both measured in the same run; decision time per contr
 prompt-token counting cost; sidecar memory.
 
     .venv/bin/python benchmarks/bench_sidecar.py [--upstream vllm|stub] \\
-        [--rates 50,100,200,300] [--duration 10] [--repeats 3] [--controller static:256] \\
+        [--rates-rps 50,100,200,300] [--duration-s 10] [--repeats 3] [--controller static:256] \\
         [--tokenizer auto] \\
         [--json OUT]
 
@@ -222,9 +222,9 @@ async def bench(args: argparse.Namespace, upstream: str, sidecar: str, sidecar_p
     await wait_ok(sidecar + "/ready", 60)
     await run_rate(upstream, sidecar, 50, 3.0, args.stream, 99, 1.0)  # warm both paths
     rows = []
-    for rate in args.rates:
+    for rate in args.rates_rps:
         load_before = os.getloadavg()[0]
-        repeats = [await run_rate(upstream, sidecar, rate, args.duration, args.stream,
+        repeats = [await run_rate(upstream, sidecar, rate, args.duration_s, args.stream,
                                   int(rate) * 100 + i, args.direct_share)
                    for i in range(args.repeats)]
         # The repeat with the median added P50 stands for the rate (bursts of other jobs on
@@ -284,9 +284,9 @@ def markdown(result: dict[str, Any]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--upstream", choices=("vllm", "stub"), default="vllm")
-    parser.add_argument("--rates", default="50,100,200,300",
+    parser.add_argument("--rates-rps", default="50,100,200,300",
                         type=lambda s: [float(x) for x in s.split(",")])
-    parser.add_argument("--duration", type=float, default=10.0,
+    parser.add_argument("--duration-s", type=float, default=10.0,
                         help="seconds per rate and repeat")
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs per rate; the one with the median added P50 is shown")

@@ -1,9 +1,9 @@
 """Simulator speed (issue 12): the must-show figures side by side, each against a baseline.
 
-    .venv/bin/python benchmarks/bench_sim.py [--baseline d08d6e7] [--repeat 3] [--no-env]
+    .venv/bin/python benchmarks/bench_sim.py [--baseline d08d6e7] [--repeats 3] [--no-env]
     .venv/bin/python benchmarks/bench_sim.py --controller vllm-default --rate-scale 0.5
     .venv/bin/python benchmarks/bench_sim.py --controller mpc --rate-scale 3.96 --gpu h100-80g \
-        --model llama-3.1-8b --first 1500 --drain-s 60 --no-env --repeat 2
+        --model llama-3.1-8b --first 1500 --drain-s 60 --no-env --repeats 2
 
 One command, one table. The baseline is another commit of this repository, unpacked read-only
 (``git archive``) into a temporary folder and run in the same way, interleaved with this
@@ -153,13 +153,13 @@ def main() -> int:
                         help="the in-run figure's run: seconds it may run past the last arrival")
     parser.add_argument("--gpu", default="a100-80g")
     parser.add_argument("--model", default="llama-2-7b")
-    parser.add_argument("--repeat", type=int, default=3, help="best of N for each figure")
+    parser.add_argument("--repeats", type=int, default=3, help="best of N for each figure")
     parser.add_argument("--no-env", action="store_true", help="skip the env step figure")
     parser.add_argument("--env-steps", type=int, default=5000)
     args = parser.parse_args()
     trace = Path(args.trace)
     print(f"python {platform.python_version()}, cpus visible {os.cpu_count()}, load average "
-          f"{os.getloadavg()[0]:.2f}; best of {args.repeat}, baseline {args.baseline}\n")
+          f"{os.getloadavg()[0]:.2f}; best of {args.repeats}, baseline {args.baseline}\n")
     with tempfile.TemporaryDirectory(prefix="bench_sim_") as tmp:
         trees = {"this": ROOT}
         base = _unpack(args.baseline, Path(tmp))
@@ -171,7 +171,7 @@ def main() -> int:
         cmd = ["-m", "rlbatch", "simulate", "--trace", str(trace), "--rate-scale", "0.5",
                "--model", "llama-3.1-8b", "--gpu", "a100-80g", "--controller", "static:64",
                "--quiet"]
-        whole = _best(trees, args.repeat, lambda tree: _python(tree, cmd))
+        whole = _best(trees, args.repeats, lambda tree: _python(tree, cmd))
         rows.append(("simulate, whole process (s)", whole.get("base", (None,))[0],
                      whole["this"][0], _fmt_ratio(whole.get("base", (None,))[0],
                                                   whole["this"][0]),
@@ -181,7 +181,7 @@ def main() -> int:
         run_of = (trace, args.rate_scale, args.controller, args.gpu, args.model, args.first,
                   args.drain_s)
         label = f"in-run, {args.controller} rate {args.rate_scale:g} (x real time)"
-        inrun = _best(trees, args.repeat, _sim_run(*run_of))
+        inrun = _best(trees, args.repeats, _sim_run(*run_of))
         speed = {k: v[1]["sim"] / v[1]["wall"] for k, v in inrun.items()}
         rows.append((label, speed.get("base"), speed["this"],
                      _fmt_ratio(speed.get("base"), speed["this"], True), ">= 10,000x",
@@ -189,7 +189,7 @@ def main() -> int:
         target = _best(trees, 1, _sim_run(trace, 0.5, "static:64", "a100-80g", "llama-3.1-8b"))
 
         # CLI start
-        cli = _best(trees, max(args.repeat, 5),
+        cli = _best(trees, max(args.repeats, 5),
                     lambda tree: _python(tree, ["-m", "rlbatch", "--help"]))
         rows.append(("CLI start, rlbatch --help (s)", cli.get("base", (None,))[0],
                      cli["this"][0], _fmt_ratio(cli.get("base", (None,))[0], cli["this"][0]),
@@ -201,7 +201,7 @@ def main() -> int:
                 _, out = _python(tree, ["-c", _ENV, str(args.env_steps)])
                 data = json.loads(out.strip().splitlines()[-1])
                 return data["median"], data
-            envs = _best(trees, args.repeat, env_step)
+            envs = _best(trees, args.repeats, env_step)
             rows.append(("env step, median (us)", envs.get("base", (None,))[0],
                          envs["this"][0], _fmt_ratio(envs.get("base", (None,))[0],
                                                      envs["this"][0]),

@@ -131,7 +131,7 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     ``gymnasium.make("rlbatch/BatchSize-v0", scenario="mixed", traces=None,
     episode_s=600, tick_s=1.0, drain_s=120, gpu="a100-80g", model="llama-2-7b",
     pools="fp16", ladder=None, guard=None, reward=None, sla=None, buckets=None,
-    load_scale=1.0, window_s=30, engine="sim", max_model_len=None,
+    rate_scale=1.0, window_s=30, engine="sim", max_model_len=None,
     action_kind="per_bucket", obs_version=1, decision_ticks=1, shares=SHARE_LADDER,
     release=None, queue_order="fifo")``
 
@@ -179,7 +179,7 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
         reward: RewardConfig | None = None,
         sla: SLA | None = None,
         buckets: Buckets | None = None,
-        load_scale: float = 1.0,
+        rate_scale: float = 1.0,
         window_s: float = 30.0,
         engine: str = "sim",
         max_model_len: int | None = None,
@@ -210,7 +210,7 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
         self.episode_s = episode_s
         self.drain_s = drain_s
         self.window_s = window_s
-        self.load_scale = load_scale
+        self.rate_scale = rate_scale
         self.deployment_spec = DeploymentSpec(
             gpu=gpu, model=model, pools=parse_pools(pools), buckets=buckets or Buckets(),
             sla=sla or SLA(), tick_s=tick_s,
@@ -228,12 +228,12 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
         if scenario == "mixed":
             self._sampler: ScenarioSampler | None = ScenarioSampler(
                 tuple(traces) if traces is not None else default_training_traces(),
-                load_scale=load_scale)
+                rate_scale=rate_scale)
         elif scenario in SCENARIOS:
             self._sampler = None
         else:
             self._sampler = ScenarioSampler((scenario,), trace_fraction=1.0,
-                                            load_scale=load_scale)
+                                            rate_scale=rate_scale)
         self._loop: ControlLoop | None = None
         self._deployment: Deployment | None = None
         self._info: DeploymentInfo | None = None
@@ -325,7 +325,7 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
         if self._sampler is not None:
             return self._sampler.sample(rng, self.episode_s)
         return make_scenario(self.scenario, seed=int(rng.integers(2**31)),
-                             duration_s=self.episode_s, load_scale=self.load_scale)
+                             duration_s=self.episode_s, rate_scale=self.rate_scale)
 
     @property
     def deployment_info(self) -> DeploymentInfo | None:

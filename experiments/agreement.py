@@ -1,7 +1,7 @@
 """How often a student decides as its teacher would, on the states the student itself reaches.
 
-    .venv/bin/python experiments/agreement.py runs/s13/v4-s1/best --run mooncake --rate 1.875 \
-        --pools fp16:1,fp8:1
+    .venv/bin/python experiments/agreement.py runs/s13/v4-s1/best --run mooncake \
+        --rate-scale 1.875 --pools fp16:1,fp8:1
 
 The student drives one run of the evaluation protocol behind its guard; at every decision the
 teacher (``--teacher``, bound to the same deployment, as in a DAgger round) says what it would
@@ -46,14 +46,14 @@ def main() -> None:
         p.error(str(e))
     meta, codec = student.artifact.metadata, labeller.codec
     times: list[float] = []
-    run(workload, labeller, spec, rate_scale=args.rate,
+    run(workload, labeller, spec, rate_scale=args.rate_scale,
         on_tick=lambda s: times.append(s.time_s))
     demos = labeller.take()
     mine = np.array([student.artifact.act(o) for o in demos.obs]).reshape(demos.actions.shape)
     theirs = demos.actions
     shares = np.all(mine[:, 1::2] == theirs[:, 1::2], axis=1)
     print(f"{args.student} vs {args.teacher} on {protocol.run_label(run_set)} at "
-          f"{args.rate:g}: {len(mine)} decisions; agree on the total "
+          f"{args.rate_scale:g}: {len(mine)} decisions; agree on the total "
           f"{np.mean(mine[:, 0] == theirs[:, 0]):.1%}, on every share {np.mean(shares):.1%}, "
           f"on everything {np.mean(np.all(mine == theirs, axis=1)):.1%}")
     bounds = meta.get("obs_range")

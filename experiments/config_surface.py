@@ -1,6 +1,7 @@
 """How large the configuration surface is: distinct command-line flags (and the files that
-define them), settings dataclasses and their fields, and the option words controller names
-accept. Counts the tree at a git revision, so a change can be compared with the one before.
+define them), settings dataclasses and their fields. Counts the tree at a git revision, so a
+change can be compared with the one before; the working tree's count includes the flags the
+sidecar derives from its settings' fields.
 
     .venv/bin/python experiments/config_surface.py [REV]    # default: the working tree
 """
@@ -34,6 +35,7 @@ def _sources(rev: str | None) -> Iterator[tuple[str, str]]:
 
 
 def count(rev: str | None) -> dict[str, int]:
+    """The counts (hand-written flags: ``add_argument("--...")`` calls with a literal name)."""
     flags: set[str] = set()
     flag_files: set[str] = set()
     classes = fields = 0
@@ -50,8 +52,22 @@ def count(rev: str | None) -> dict[str, int]:
             if isinstance(node, ast.ClassDef) and SETTINGS_CLASS.search(node.name):
                 classes += 1
                 fields += sum(isinstance(s, ast.AnnAssign) for s in node.body)
-    return {"flags": len(flags), "files with flags": len(flag_files),
+    out = {"hand-written flags": len(flags)}
+    if rev is None:  # flags derived from dataclass fields exist only in the parsers
+        out["flags with the derived ones"] = len(flags | _derived_flags())
+    return {**out, "files with flags": len(flag_files),
             "settings classes": classes, "settings fields": fields}
+
+
+def _derived_flags() -> set[str]:
+    """The flags of the parsers that derive flags from settings fields (the sidecar's)."""
+    import argparse
+
+    from rlbatch.commands.serve import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return {s for s in parser._option_string_actions if s.startswith("--")} - {"--help"}
 
 
 def main() -> int:

@@ -1,6 +1,6 @@
 """How much a cloned student's decisions follow the action in force (the copycat problem).
 
-    .venv/bin/python experiments/copycat.py policies/two-pool --run azure --rate 2.125 \
+    .venv/bin/python experiments/copycat.py policies/two-pool --run azure --rate-scale 2.125 \
         --pools fp16:1,fp8:1
 
 The student serves one run of the evaluation protocol (as ``trace_run.py`` picks it) and
@@ -61,7 +61,7 @@ def main() -> None:
     # the pool in force is left alone: the edits are about the total
     edited = [i for i, n in enumerate(names) if n.rpartition("/")[2] in ("cap", "total_cap")]
     student = _Recording(artifact, name="student")
-    run(workload, student, spec, rate_scale=args.rate)
+    run(workload, student, spec, rate_scale=args.rate_scale)
     obs = np.array(student.observations, dtype=np.float32)
     totals = [int(t) for t in meta["totals"]]
     chosen = np.array([totals[int(artifact.act(o)[0])] for o in obs])

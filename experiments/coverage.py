@@ -2,7 +2,7 @@
 own decisions on an unseen run sit.
 
     .venv/bin/python experiments/coverage.py --episodes 6 --mix-share 1 --mix-load 1,2.5 \
-        --pools fp16:1,fp8:1 --student runs/s13/v4-s1/best --run mooncake --rate 1.875
+        --pools fp16:1,fp8:1 --student runs/s13/v4-s1/best --run mooncake --rate-scale 1.875
 
 The teacher (``--teacher``) drives ``--episodes`` workloads drawn as the recipe draws them for
 the deployment given (training windows only, at its measured rate multiplier, with the given
@@ -53,14 +53,14 @@ def main() -> None:
     p.add_argument("--student", type=Path, default=None,
                    help="a student artifact to drive the unseen run (with --run, --rate)")
     p.add_argument("--run", default=None, help="start of the protocol run's label")
-    p.add_argument("--rate", type=float, default=None, help="one of the run's rate scales")
+    p.add_argument("--rate-scale", type=float, default=None, help="one of the run's rate scales")
     add_deployment_options(p)
     p.set_defaults(over_length="truncate")
     args = p.parse_args()
     spec = deployment_spec_from_args(args)
     student, labeller = None, None
     if args.student is not None:
-        if args.run is None or args.rate is None:
+        if args.run is None or args.rate_scale is None:
             p.error("--student needs --run and --rate")
         try:
             student = ppo_factory(str(args.student), {})
@@ -74,7 +74,7 @@ def main() -> None:
                            obs_version=4 if student is None else student.obs_version,
                            mix_share=args.mix_share, mix_load=args.mix_load,
                            generated_share=args.generated_share, deployments=(),
-                           rate_multiplier=protocol.rate_multiplier_for(spec.gpu, spec.model,
+                           rate_scale=protocol.deployment_rate_scale(spec.gpu, spec.model,
                                                                         spec.pools))
     except ValueError as e:
         p.error(str(e))
@@ -93,9 +93,9 @@ def main() -> None:
     if labeller is None:
         return
     spec, run_set, workload = protocol.run_from_args(p, args)
-    run(workload, labeller, spec, rate_scale=args.rate)
+    run(workload, labeller, spec, rate_scale=args.rate_scale)
     seen = labeller.take().obs
-    print(f"{args.student} driving {protocol.run_label(run_set)} at {args.rate:g}: "
+    print(f"{args.student} driving {protocol.run_label(run_set)} at {args.rate_scale:g}: "
           f"{len(seen)} decisions")
     for f in wanted:
         x = seen[:, names.index(f)]

@@ -85,7 +85,7 @@ def main() -> int:
     parser.add_argument("--trace", default=str(default_training_traces()[0]))
     parser.add_argument("--starts", type=float, nargs="+", default=[1050.0])
     parser.add_argument("--rate-scale", type=float, default=0.75)
-    parser.add_argument("--duration", type=float, default=600.0)
+    parser.add_argument("--duration-s", type=float, default=600.0)
     parser.add_argument("--policy", default="policies/default")
     args = parser.parse_args()
     trace = load_trace(args.trace)
@@ -95,7 +95,7 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|---|")
     t0 = time.perf_counter()
     for start in args.starts:
-        workload = slice_trace(trace, start, args.duration, args.rate_scale)
+        workload = slice_trace(trace, start, args.duration_s, args.rate_scale)
         policies: list[tuple[int, ...] | str] = [*CAP_SETS, "ppo"]
         for policy in policies:
             r = run_episode(workload, policy, artifact)
@@ -104,7 +104,7 @@ def main() -> int:
                   f"{r['legacy']:.1f} | {r['unfinished']} | {r['goodput_rps']:.2f} | "
                   f"{r['worst']:.2f} | {r['score']:.3f} |", flush=True)
     print(f"({time.perf_counter() - t0:.0f} s; {len(args.starts)} slices at rate "
-          f"x{args.rate_scale}, {args.duration:.0f} s each)")
+          f"x{args.rate_scale}, {args.duration_s:.0f} s each)")
     return 0
 
 

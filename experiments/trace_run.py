@@ -1,6 +1,6 @@
 """Side-by-side per-tick trace of controllers on one run of the evaluation protocol.
 
-    .venv/bin/python experiments/trace_run.py --run azure --rate 2.125 --pools fp16:1,fp8:1 \
+    .venv/bin/python experiments/trace_run.py --run azure --rate-scale 2.125 --pools fp16:1,fp8:1 \
         --from-s 40 --to-s 160 --every 5 mpc ppo:policies/two-pool
 
 Each controller serves the same protocol run (the held-back Azure window or Mooncake, at one
@@ -43,7 +43,7 @@ def main() -> None:
     traces: dict[str, list[DeploymentStats]] = {}
     for spec_text in args.controllers:
         ticks: list[DeploymentStats] = []
-        run(workload, make_controller(spec_text), spec, rate_scale=args.rate,
+        run(workload, make_controller(spec_text), spec, rate_scale=args.rate_scale,
             on_tick=ticks.append)
         traces[spec_text] = ticks
     print("time_s | " + " | ".join(args.controllers))

@@ -34,7 +34,7 @@ every candidate, so they join the candidates (up to five more rollouts a decisio
 route splits). Trims may shed load where it costs the trimmed bucket nothing. Without this
 rule, on a deployment with KV room to spare (an H100 or H200 serving Llama-3.1-8B), the best
 60 s rollout was often a trim of the 1k-2k bucket, which starved it over the run (6% SLA
-attainment against the best static's 78%; BENCHMARKS.md, issue 14, stop 22).
+attainment against the best static's 78%; docs/notebook/BENCHMARKS-archive.md).
 
 Choice: among candidates within ``switch_margin`` + 1% of the replayed requests of the best
 score, the largest total (then the fewest trims); while requests already wait past the TTFT
@@ -106,7 +106,7 @@ class MpcConfig:
         the pools (:func:`splits`). Off by default: every bucket keeps the route it starts
         with, the least-loaded engine of any pool. On two pools the splits win their 60 s
         rollouts and lose the run (they starved the 1k-2k bucket on held-back Azure:
-        BENCHMARKS.md, issue 14, stop 11).
+        docs/notebook/BENCHMARKS-archive.md).
     :param fp8_cost: quality cost of a request served from the FP8 pool, in requests (the
         reward's ``w_fp8``, the guide's <= 1.5%).
     :param guarded: behind the guard (default); ``False`` applies the chosen candidate as

@@ -278,7 +278,7 @@ def add_flags(group: Any, cls: type, *, only: Sequence[str] | None = None,
         if _dataclass_type(inner) is not None:
             raise SettingsError(f"{cls.__name__}.{name} is a table: no flag derives from it")
         default = getattr(base, name) if base is not None else _field_default(cls, name)
-        text = docs.get(name, "") + (help_suffix or {}).get(name, "")
+        text = _plain(docs.get(name, "")) + (help_suffix or {}).get(name, "")
         dest = prefix + name
         if inner is bool:
             group.add_argument(flag_name(name, prefix), dest=dest, default=default,
@@ -307,6 +307,13 @@ def from_flags(cls: type[T], args: argparse.Namespace, *, only: Sequence[str] | 
                                                  if n not in exclude]
     values = {name: getattr(args, prefix + name) for name in names}
     return cls(**values, **fixed)
+
+
+def _plain(doc: str) -> str:
+    """A docstring's text without reST markup (``code``, :mod:`~a.b` -> code, b)."""
+    doc = re.sub(r":\w+:`~?([^`]+)`", lambda m: m.group(1).rsplit(".", 1)[-1]
+                 if m.group(0)[m.group(0).index("`") + 1] == "~" else m.group(1), doc)
+    return doc.replace("``", "")
 
 
 def _field_default(cls: type, name: str) -> Any:

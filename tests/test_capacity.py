@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from policies.evaluation.protocol import RATE_MULTIPLIERS
+from policies.evaluation.protocol import DEPLOYMENT_RATE_SCALES
 from rlbatch.buckets import Buckets
 from rlbatch.profiles import RooflineStepTimeModel, load_gpu, load_model
 from rlbatch.profiles.capacity import profile_capacity_rps, reference_capacity_rps
@@ -18,13 +18,13 @@ def _capacity(gpu: str, model: str, pools: str = "fp16:1") -> float:
     return build_sim_deployment(spec).info.capacity_rps
 
 
-@pytest.mark.parametrize("key", [k for k in RATE_MULTIPLIERS if k[2] == "fp16:1"])
+@pytest.mark.parametrize("key", [k for k in DEPLOYMENT_RATE_SCALES if k[2] == "fp16:1"])
 def test_capacity_tracks_the_measured_knee_multipliers(key: tuple[str, str, str]) -> None:
     # The multipliers were measured by sweeping load to the knee; an estimate that does not
     # follow them would make "80% of capacity" mean different loads on different GPUs.
     gpu, model, pools = key
     ratio = _capacity(gpu, model, pools) / _capacity("a100-80g", "llama-2-7b")
-    assert ratio == pytest.approx(RATE_MULTIPLIERS[key], rel=0.11)
+    assert ratio == pytest.approx(DEPLOYMENT_RATE_SCALES[key], rel=0.11)
 
 
 def test_capacity_sums_engines_and_counts_fp8_kv() -> None:

@@ -194,7 +194,7 @@ def test_every_rule_can_be_switched_off() -> None:
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_guard_keeps_random_policy_free_of_kv_overflow_on_scenarios(scenario: str) -> None:
     # 3x the scenario's load: well past saturation.
-    workload = make_scenario(scenario, seed=0, duration_s=300, load_scale=3.0)
+    workload = make_scenario(scenario, seed=0, duration_s=300, rate_scale=3.0)
     row = run(workload, make_controller("random:1"), DeploymentSpec(), drain_s=60).row
     assert row["kv_overflows"] == 0 and row["preemptions"] == 0
     assert row["completed"] + row["rejected"] + row["unfinished"] == len(workload)

@@ -211,7 +211,7 @@ def test_env_releases_what_the_action_holds_exactly_when_a_queue_head_has_waited
                             warmup=False, kv_high=False, p99=False, efficiency=False,
                             kv_budget=None)
     kwargs = {"scenario": "day", "episode_s": 60.0, "drain_s": 20.0, "guard": unguarded,
-              "action_kind": "total_share", "obs_version": 3, "load_scale": 6.0}
+              "action_kind": "total_share", "obs_version": 3, "rate_scale": 6.0}
     action = np.array([3, 0, 0, 3, 0, 3, 0, 3, 0], dtype=np.int64)  # 16; 0-1k at 1/8
     in_force: dict[float | None, set[tuple[int | None, int | None]]] = {}
     released = {"cap": 0, "total": 0, "slow": 0, "in_engine": 0}

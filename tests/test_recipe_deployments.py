@@ -38,8 +38,8 @@ def test_recipe_refuses_unknown_and_repeated_deployments() -> None:
 
 
 def test_multiplier_is_relative_to_the_first_deployment() -> None:
-    cfg = RecipeConfig(deployments=OTHERS, rate_multiplier=1.5)
-    two_pool = RecipeConfig(pools="fp16:1,fp8:1", rate_multiplier=2.5)
+    cfg = RecipeConfig(deployments=OTHERS, rate_scale=1.5)
+    two_pool = RecipeConfig(pools="fp16:1,fp8:1", rate_scale=2.5)
     assert [two_pool.multiplier(d) for d in range(3)] == pytest.approx([2.5, 5.0, 4.0])
     assert cfg.train_deployments() == [("a100-80g", "llama-2-7b"), ("h100-80g", "llama-2-7b"),
                                        ("a100-80g", "llama-3.1-8b")]

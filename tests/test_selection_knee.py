@@ -35,7 +35,7 @@ def _best_sla(cfg: RecipeConfig, trace: Path, rate: float) -> float:
 
 def test_knee_keeps_contested_scales_evenly_spread_and_stops_past_the_knee(
         head_trace: Path) -> None:
-    cfg = RecipeConfig(traces=(str(head_trace),), deployments=(), rate_multiplier=2.0)
+    cfg = RecipeConfig(traces=(str(head_trace),), deployments=(), rate_scale=2.0)
     # x2: 1 light, 2-32 contested, 64 collapsed; the scan stops there (the contested 3 after
     # it is never run, else the picks would be 2, 4, 32)
     rates, rows = knee_selection_rates(cfg, str(head_trace), count=3,

@@ -185,30 +185,30 @@ def test_mpc_teacher_exposes_its_proposal() -> None:
 
 
 def test_rate_multiplier_scales_every_protocol_run() -> None:
-    from policies.evaluation.protocol import rate_multiplier_for, training_runs, unseen_runs
+    from policies.evaluation.protocol import deployment_rate_scale, training_runs, unseen_runs
 
     base, scaled = unseen_runs(), unseen_runs(2.5)
     assert [r.rates for r in scaled] == [tuple(round(x * 2.5, 6) for x in r.rates)
                                          for r in base]
     assert [r.window for r in scaled] == [r.window for r in base]
     assert training_runs(2.0)[0].rates == (1.0, 1.5, 1.8, 2.0)
-    assert rate_multiplier_for("a100-80g", "llama-2-7b", {"fp16": 1, "fp8": 1}) == 2.5
-    assert rate_multiplier_for("a100-80g", "llama-2-7b", {"fp16": 1}) == 1.0
-    assert rate_multiplier_for("h100-80g", "llama-2-7b", {"fp16": 1}) == 2.0
-    assert rate_multiplier_for("a100-80g", "llama-2-7b", {"fp16": 3}) == 1.0  # not measured
+    assert deployment_rate_scale("a100-80g", "llama-2-7b", {"fp16": 1, "fp8": 1}) == 2.5
+    assert deployment_rate_scale("a100-80g", "llama-2-7b", {"fp16": 1}) == 1.0
+    assert deployment_rate_scale("h100-80g", "llama-2-7b", {"fp16": 1}) == 2.0
+    assert deployment_rate_scale("a100-80g", "llama-2-7b", {"fp16": 3}) == 1.0  # not measured
     with pytest.raises(ValueError, match="rate multiplier"):
         unseen_runs(0.0)
 
 
 def test_mooncake_multiplier_scales_only_the_mooncake_runs() -> None:
-    from policies.evaluation.protocol import mooncake_multiplier_for, unseen_runs
+    from policies.evaluation.protocol import mooncake_rate_scale_for, unseen_runs
 
     base, split = unseen_runs(5.0), unseen_runs(5.0, 0.4)
     assert split[0] == base[0]  # the Azure runs keep the rate multiplier
     assert split[1].name == "mooncake" and split[1].rates == (0.2, 0.24, 0.3)
     assert unseen_runs(5.0, None) == base
-    assert mooncake_multiplier_for("h200-141g", "llama-3.1-8b", {"fp16": 1}) == 0.4
-    assert mooncake_multiplier_for("a100-80g", "llama-2-7b", {"fp16": 1}) is None
+    assert mooncake_rate_scale_for("h200-141g", "llama-3.1-8b", {"fp16": 1}) == 0.4
+    assert mooncake_rate_scale_for("a100-80g", "llama-2-7b", {"fp16": 1}) is None
     with pytest.raises(ValueError, match="rate multiplier"):
         unseen_runs(1.0, 0.0)
 
@@ -218,8 +218,8 @@ def test_protocol_refuses_a_bad_mooncake_multiplier(capsys: pytest.CaptureFixtur
     from policies.evaluation.protocol import main
 
     with pytest.raises(SystemExit):
-        main(["--controllers", "fixed:256", "--mooncake-rate-multiplier", "-1"])
-    assert "--mooncake-rate-multiplier must be > 0" in capsys.readouterr().err
+        main(["--controllers", "fixed:256", "--mooncake-rate-scale", "-1"])
+    assert "--mooncake-rate-scale must be > 0" in capsys.readouterr().err
 
 
 def test_recipe_rate_multiplier_scales_training_workloads() -> None:
@@ -229,12 +229,12 @@ def test_recipe_rate_multiplier_scales_training_workloads() -> None:
     traces = [load_trace(t) for t in RecipeConfig().traces]
     one = sample_workloads(RecipeConfig(generated_share=0.0), np.random.default_rng(3), 3,
                            traces)
-    two = sample_workloads(RecipeConfig(generated_share=0.0, rate_multiplier=2.0),
+    two = sample_workloads(RecipeConfig(generated_share=0.0, rate_scale=2.0),
                            np.random.default_rng(3), 3, traces)
     for a, b in zip(one, two, strict=True):
         assert len(b) > len(a)  # the same draws at twice the rate: a longer stretch of trace
-    with pytest.raises(ValueError, match="rate_multiplier"):
-        RecipeConfig(rate_multiplier=0.0)
+    with pytest.raises(ValueError, match="rate_scale"):
+        RecipeConfig(rate_scale=0.0)
 
 
 def test_unseen_run_finds_a_run_by_label_prefix() -> None:

@@ -64,7 +64,7 @@ def test_total_only_labels_keep_the_teachers_totals(tmp_path: Path) -> None:
     # (at 3x load the teacher never trims behind the peak KV budget, guard revision 9; the
     # fair teacher keeps none of its trims on this workload, so the unfiltered one drives)
     cfg = RecipeConfig(out=str(tmp_path), teacher="mpc[fair=false]")
-    workload = make_scenario("bursty", seed=1, duration_s=90.0, load_scale=5.0)
+    workload = make_scenario("bursty", seed=1, duration_s=90.0, rate_scale=5.0)
     taken = {}
     for name, codec in (("full", TotalShareCodec(TOTAL_LADDER, SHARE_LADDER, ("fp16",), 4)),
                         ("total", TOTAL_ONLY)):

@@ -84,40 +84,40 @@ def _scaled(rates: tuple[float, ...], multiplier: float) -> tuple[float, ...]:
     return tuple(round(r * multiplier, 6) for r in rates)
 
 
-def unseen_runs(rate_multiplier: float = 1.0,
-                mooncake_multiplier: float | None = None) -> list[RunSet]:
+def unseen_runs(rate_scale: float = 1.0,
+                mooncake_rate_scale: float | None = None) -> list[RunSet]:
     """The traffic a shipped policy is judged on: the held-back later window of the Azure
     training trace and the Mooncake family, at rate scales that put the best static cap at
     20-95% SLA attainment on one A100 serving llama-2-7b (measured: BENCHMARKS.md,
     "Evaluation protocol").
 
-    :param rate_multiplier: multiplies every rate scale, for deployments with more capacity
-        (e.g. 2.5 for one FP16 and one FP8 engine, :data:`RATE_MULTIPLIERS`).
-    :param mooncake_multiplier: multiplies the Mooncake rate scales instead (``None``: the
-        same as ``rate_multiplier``). A long-context model serves Mooncake's 10-100k-token
+    :param rate_scale: multiplies every rate scale, for deployments with more capacity
+        (e.g. 2.5 for one FP16 and one FP8 engine, :data:`DEPLOYMENT_RATE_SCALES`).
+    :param mooncake_rate_scale: multiplies the Mooncake rate scales instead (``None``: the
+        same as ``rate_scale``). A long-context model serves Mooncake's 10-100k-token
         prompts whole, where a 4k-context one truncates them, so its knee on Mooncake is not
-        where its knee on Azure is (:data:`MOONCAKE_RATE_MULTIPLIERS`).
+        where its knee on Azure is (:data:`MOONCAKE_RATE_SCALES`).
     """
     azure = str(traces_dir() / "azure_conv_2023.csv")
     mooncake = str(traces_dir() / "mooncake_synthetic.jsonl")
-    m = rate_multiplier
-    mm = rate_multiplier if mooncake_multiplier is None else mooncake_multiplier
+    m = rate_scale
+    mm = rate_scale if mooncake_rate_scale is None else mooncake_rate_scale
     return [RunSet("azure held-back", azure, held_back_window(azure),
                    _scaled((0.8, 0.85, 0.9, 0.95), m), True),
             RunSet("mooncake", mooncake, None, _scaled((0.5, 0.6, 0.75), mm), True)]
 
 
-def training_runs(rate_multiplier: float = 1.0) -> list[RunSet]:
+def training_runs(rate_scale: float = 1.0) -> list[RunSet]:
     """The training traffic the user's static pick is made on.
 
-    :param rate_multiplier: as in :func:`unseen_runs`.
+    :param rate_scale: as in :func:`unseen_runs`.
     """
     azure = str(traces_dir() / "azure_conv_2023.csv")
     return [RunSet("azure training", azure, training_window(azure),
-                   _scaled((0.5, 0.75, 0.9, 1.0), rate_multiplier), False)]
+                   _scaled((0.5, 0.75, 0.9, 1.0), rate_scale), False)]
 
 
-RATE_MULTIPLIERS: dict[tuple[str, str, str], float] = {
+DEPLOYMENT_RATE_SCALES: dict[tuple[str, str, str], float] = {
     ("a100-80g", "llama-2-7b", "fp16:1"): 1.0,
     ("a100-80g", "llama-2-7b", "fp16:1,fp8:1"): 2.5,
     ("h100-80g", "llama-2-7b", "fp16:1"): 2.0,
@@ -127,19 +127,19 @@ RATE_MULTIPLIERS: dict[tuple[str, str, str], float] = {
     ("h200-141g", "llama-3.1-70b", "fp16:1"): 2.0,
 }
 """Measured rate multipliers (GPU, model, pools; the model's default tensor parallelism) that
-put the Azure runs of the protocol around the knee (BENCHMARKS.md, issue 14, stop 4; issue 12,
-"Item 5" for the long-context ones): e.g. one FP16 engine and one FP8-KV
-engine serve about 2.5x the load of one FP16 engine within the SLA."""
+put the Azure runs of the protocol around the knee (docs/notebook/BENCHMARKS-archive.md, its
+long-context section for the long-context ones): e.g. one FP16 engine and one FP8-KV engine
+serve about 2.5x the load of one FP16 engine within the SLA."""
 
 
-MOONCAKE_RATE_MULTIPLIERS: dict[tuple[str, str, str], float] = {
+MOONCAKE_RATE_SCALES: dict[tuple[str, str, str], float] = {
     ("h100-80g", "llama-3.1-8b", "fp16:1"): 0.3,
     ("h200-141g", "llama-3.1-8b", "fp16:1"): 0.4,
     ("h200-141g", "llama-3.1-70b", "fp16:1"): 0.18,
 }
 """Measured Mooncake rate multipliers of the long-context deployments (GPU, model, pools),
-where Mooncake's prompts are served whole (BENCHMARKS.md, issue 12, "Item 5"); a deployment
-not listed uses its :data:`RATE_MULTIPLIERS` entry for Mooncake too."""
+where Mooncake's prompts are served whole (docs/notebook/BENCHMARKS-archive.md); a deployment
+not listed uses its :data:`DEPLOYMENT_RATE_SCALES` entry for Mooncake too."""
 
 
 def _deployment_key(gpu: str, model: str, pools: dict[str, int]) -> tuple[str, str, str]:
@@ -147,24 +147,24 @@ def _deployment_key(gpu: str, model: str, pools: dict[str, int]) -> tuple[str, s
     return gpu, model, ",".join(f"{p}:{n}" for p, n in pools.items())
 
 
-def mooncake_multiplier_for(gpu: str, model: str, pools: dict[str, int]) -> float | None:
-    """:data:`MOONCAKE_RATE_MULTIPLIERS` for a deployment (``None`` when not measured).
+def mooncake_rate_scale_for(gpu: str, model: str, pools: dict[str, int]) -> float | None:
+    """:data:`MOONCAKE_RATE_SCALES` for a deployment (``None`` when not measured).
 
     :param gpu: GPU profile name.
     :param model: model profile name.
     :param pools: engines per pool.
     """
-    return MOONCAKE_RATE_MULTIPLIERS.get(_deployment_key(gpu, model, pools))
+    return MOONCAKE_RATE_SCALES.get(_deployment_key(gpu, model, pools))
 
 
-def rate_multiplier_for(gpu: str, model: str, pools: dict[str, int]) -> float:
-    """:data:`RATE_MULTIPLIERS` for a deployment (1 when not measured).
+def deployment_rate_scale(gpu: str, model: str, pools: dict[str, int]) -> float:
+    """:data:`DEPLOYMENT_RATE_SCALES` for a deployment (1 when not measured).
 
     :param gpu: GPU profile name.
     :param model: model profile name.
     :param pools: engines per pool.
     """
-    return RATE_MULTIPLIERS.get(_deployment_key(gpu, model, pools), 1.0)
+    return DEPLOYMENT_RATE_SCALES.get(_deployment_key(gpu, model, pools), 1.0)
 
 
 def run_label(run: RunSet) -> str:
@@ -176,7 +176,7 @@ def unseen_run(label_prefix: str, gpu: str, model: str, pools: dict[str, int]) -
 
     :raises ValueError: none does (the message lists the labels).
     """
-    runs = unseen_runs(rate_multiplier_for(gpu, model, pools))
+    runs = unseen_runs(deployment_rate_scale(gpu, model, pools))
     for run_set in runs:
         if run_label(run_set).startswith(label_prefix):
             return run_set
@@ -185,25 +185,26 @@ def unseen_run(label_prefix: str, gpu: str, model: str, pools: dict[str, int]) -
 
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
-    """``--run``, ``--rate`` and the deployment options of a script that studies one unseen
+    """``--run``, ``--rate-scale`` and the deployment options of a script that studies one unseen
     run (read back with :func:`run_from_args`)."""
     p.add_argument("--run", required=True,
                    help="start of the protocol run's label (e.g. azure, mooncake)")
-    p.add_argument("--rate", type=float, required=True, help="one of the run's rate scales")
+    p.add_argument("--rate-scale", type=float, required=True,
+                   help="one of the run's rate scales")
     add_deployment_options(p)
     p.set_defaults(over_length="truncate")
 
 
 def run_from_args(p: argparse.ArgumentParser, args: argparse.Namespace
                   ) -> tuple[DeploymentSpec, RunSet, Workload]:
-    """The deployment, the unseen run and its workload at ``--rate`` that
+    """The deployment, the unseen run and its workload at ``--rate-scale`` that
     :func:`add_run_options` asked for (a run that does not exist: ``p.error``)."""
     spec = deployment_spec_from_args(args)
     try:
         run_set = unseen_run(args.run, spec.gpu, spec.model, spec.pools)
     except ValueError as e:
         p.error(str(e))
-    job = EvalJob(args.run, run_set.trace, args.rate, spec, run_set.window, None, 0, 600.0,
+    job = EvalJob(args.run, run_set.trace, args.rate_scale, spec, run_set.window, None, 0, 600.0,
                   None)
     return spec, run_set, load_job_workload(job)
 
@@ -316,17 +317,17 @@ def render(rows: Sequence[dict[str, Any]], candidates: Sequence[str], pick: str)
 
 def evaluate_protocol(candidates: Sequence[str], spec: DeploymentSpec, *, n_jobs: int = 2,
                       quiet: bool = False, max_tokens: int | None = None,
-                      rate_multiplier: float = 1.0, mooncake_multiplier: float | None = None
+                      rate_scale: float = 1.0, mooncake_rate_scale: float | None = None
                       ) -> tuple[list[dict[str, Any]], str, str]:
     """Run the training runs (for the user's pick) and the unseen runs; return the unseen
     rows, the user's pick and the Markdown report.
 
     :param max_tokens: the clients' declared output limit (``None``: none declared).
-    :param rate_multiplier: multiplies every run's rate scale (:func:`unseen_runs`).
-    :param mooncake_multiplier: multiplies the Mooncake runs' instead (``None``: the same).
+    :param rate_scale: multiplies every run's rate scale (:func:`unseen_runs`).
+    :param mooncake_rate_scale: multiplies the Mooncake runs' instead (``None``: the same).
     """
-    train_sets = training_runs(rate_multiplier)
-    unseen_sets = unseen_runs(rate_multiplier, mooncake_multiplier)
+    train_sets = training_runs(rate_scale)
+    unseen_sets = unseen_runs(rate_scale, mooncake_rate_scale)
     train_jobs = protocol_jobs([], spec, train_sets, max_tokens=max_tokens)
     unseen_jobs = protocol_jobs(candidates, spec, unseen_sets, max_tokens=max_tokens)
     rows = run_jobs([*train_jobs, *unseen_jobs], n_jobs=n_jobs, quiet=quiet, desc="protocol")
@@ -353,16 +354,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=None, metavar="N",
                    help="clients declare max_tokens=N (or the real output, if longer): the "
                         "ceiling of the guard's KV count (--kv-reserve); default: none declared")
-    p.add_argument("--rate-multiplier", type=float, default=None, metavar="X",
+    p.add_argument("--rate-scale", type=float, default=None, metavar="X",
                    help="multiply every run's rate scale by X (a deployment with more "
                         "capacity than one A100 serving llama-2-7b needs more load to be "
                         "contested); default: the measured one for the deployment "
-                        "(RATE_MULTIPLIERS: 2.5 for --pools fp16:1,fp8:1), else 1")
-    p.add_argument("--mooncake-rate-multiplier", type=float, default=None, metavar="X",
+                        "(DEPLOYMENT_RATE_SCALES: 2.5 for --pools fp16:1,fp8:1), else 1")
+    p.add_argument("--mooncake-rate-scale", type=float, default=None, metavar="X",
                    help="multiply the Mooncake runs' rate scales by X instead (a long-context "
                         "model serves Mooncake's prompts whole, so its knee there is not its "
                         "Azure knee); default: the measured one for the deployment "
-                        "(MOONCAKE_RATE_MULTIPLIERS), else the --rate-multiplier")
+                        "(MOONCAKE_RATE_SCALES), else the --rate-scale")
     add_deployment_options(p)
     # Mooncake prompts exceed a 4k context: the protocol truncates them (and counts them).
     p.set_defaults(over_length="truncate")
@@ -377,19 +378,19 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(exc))
     if args.max_tokens is not None and args.max_tokens < 1:
         p.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    multiplier = (rate_multiplier_for(spec.gpu, spec.model, spec.pools)
-                  if args.rate_multiplier is None
-                  else args.rate_multiplier)
+    multiplier = (deployment_rate_scale(spec.gpu, spec.model, spec.pools)
+                  if args.rate_scale is None
+                  else args.rate_scale)
     if not multiplier > 0:
-        p.error(f"--rate-multiplier must be > 0, got {multiplier}")
-    mooncake = (mooncake_multiplier_for(spec.gpu, spec.model, spec.pools)
-                if args.mooncake_rate_multiplier is None else args.mooncake_rate_multiplier)
+        p.error(f"--rate-scale must be > 0, got {multiplier}")
+    mooncake = (mooncake_rate_scale_for(spec.gpu, spec.model, spec.pools)
+                if args.mooncake_rate_scale is None else args.mooncake_rate_scale)
     if mooncake is not None and not mooncake > 0:
-        p.error(f"--mooncake-rate-multiplier must be > 0, got {mooncake}")
+        p.error(f"--mooncake-rate-scale must be > 0, got {mooncake}")
     rows, _pick, text = evaluate_protocol(candidates, spec, n_jobs=args.jobs,
                                           quiet=args.quiet, max_tokens=args.max_tokens,
-                                          rate_multiplier=multiplier,
-                                          mooncake_multiplier=mooncake)
+                                          rate_scale=multiplier,
+                                          mooncake_rate_scale=mooncake)
     if args.json:
         write_json(args.json, rows)
     if args.markdown:

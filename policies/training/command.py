@@ -89,11 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "azure_conv_2023.csv); the recipe uses their first 75%% only")
     add_gpu_model_options(p, gpu=d.gpu, model=d.model)
     add_pools_option(p, default=d.pools)
-    p.add_argument("--rate-multiplier", type=float, default=None, metavar="X",
+    p.add_argument("--rate-scale", type=float, default=None, metavar="X",
                    help="multiply every training, selection and comparison rate scale by X "
                         "(a deployment with more capacity than one A100 serving llama-2-7b "
                         "needs more load to reach its knee); default: the measured one for the "
-                        "deployment (policies.evaluation.protocol.RATE_MULTIPLIERS: 2.5 "
+                        "deployment (policies.evaluation.protocol.DEPLOYMENT_RATE_SCALES: 2.5 "
                         "for --pools fp16:1,fp8:1), else 1")
     p.add_argument("--out", default=None, help="run folder: TensorBoard logs, artifacts "
                    "(default runs/recipe or runs/ppo)")
@@ -179,13 +179,13 @@ def _csv(values: Sequence[float]) -> str:
     return ",".join(f"{x:g}" for x in values)
 
 
-def _rate_multiplier(args: argparse.Namespace) -> float:
-    """``--rate-multiplier``, or the measured one for the pools (1 for one FP16 engine)."""
-    from policies.evaluation.protocol import rate_multiplier_for
+def _rate_scale(args: argparse.Namespace) -> float:
+    """``--rate-scale``, or the measured one for the pools (1 for one FP16 engine)."""
+    from policies.evaluation.protocol import deployment_rate_scale
 
-    if args.rate_multiplier is not None:
-        return float(args.rate_multiplier)
-    return rate_multiplier_for(args.gpu, args.model, args.pools)
+    if args.rate_scale is not None:
+        return float(args.rate_scale)
+    return deployment_rate_scale(args.gpu, args.model, args.pools)
 
 
 def _recipe_config(args: argparse.Namespace, traces: tuple[str, ...],
@@ -205,7 +205,7 @@ def _recipe_config(args: argparse.Namespace, traces: tuple[str, ...],
                         shares=args.shares, members=args.members,
                         finetune_steps=args.finetune_steps,
                         deployments=args.train_deployments,
-                        rate_multiplier=_rate_multiplier(args), **extra)
+                        rate_scale=_rate_scale(args), **extra)
 
 
 def main_distill(args: argparse.Namespace) -> int:
@@ -242,11 +242,11 @@ def main_distill(args: argparse.Namespace) -> int:
         if args.ray is None:
             _rows, _pick, text = evaluate_protocol([f"ppo:{best}", "mpc"], cfg.spec(),
                                                    quiet=args.no_progress,
-                                                   rate_multiplier=cfg.rate_multiplier)
+                                                   rate_scale=cfg.rate_scale)
         else:  # the same grid and report, its runs as Ray tasks
             rows, pick = protocol_comparison([f"ppo:{best}", "mpc"], cfg.spec(),
                                              ray=args.ray, quiet=args.no_progress,
-                                             rate_multiplier=cfg.rate_multiplier)
+                                             rate_scale=cfg.rate_scale)
             text = render(rows, [f"ppo:{best}", "mpc"], pick)
         (out / "EVAL.md").write_text(f"# Evaluation of {best}\n\n{text}\n")
         print(text)
@@ -302,7 +302,7 @@ def main_seeds(args: argparse.Namespace) -> int:
         return 2
     try:
         print(run_seeds(runs, spec, out, ray=args.ray, compare=not args.no_compare,
-                        quiet=args.no_progress, rate_multiplier=_rate_multiplier(args)))
+                        quiet=args.no_progress, rate_scale=_rate_scale(args)))
     except RuntimeError as exc:  # a seed or a comparison run failed twice on Ray
         print(f"train.py: failed: {exc}", file=sys.stderr)
         return 1

@@ -64,7 +64,7 @@ def sample_episodes(cfg: EpisodeConfig, rng: np.random.Generator, n: int,
             load = float(np.exp(rng.uniform(np.log(0.8), np.log(2.0))))
             out.append((deployment, make_scenario(kind, seed=int(rng.integers(2**31)),
                                                   duration_s=cfg.episode_s,
-                                                  load_scale=load * multiplier)))
+                                                  rate_scale=load * multiplier)))
             continue
         i = int(rng.integers(len(traces)))
         trace = traces[i]

@@ -135,17 +135,17 @@ def train_seeds(runs: Sequence[SeedRun], *, ray: str | None = None) -> list[dict
 
 def protocol_comparison(candidates: Sequence[str], spec: DeploymentSpec, *,
                         ray: str | None = None, quiet: bool = False,
-                        rate_multiplier: float = 1.0
+                        rate_scale: float = 1.0
                         ) -> tuple[list[dict[str, Any]], str]:
     """:func:`policies.evaluation.protocol.evaluate_protocol`'s grid, on Ray when asked: the unseen
     rows and the user's pick.
 
-    :param rate_multiplier: multiplies every run's rate scale.
+    :param rate_scale: multiplies every run's rate scale.
 
     :raises RuntimeError: a run failed twice on Ray.
     """
-    train_sets = training_runs(rate_multiplier)
-    unseen_sets = unseen_runs(rate_multiplier)
+    train_sets = training_runs(rate_scale)
+    unseen_sets = unseen_runs(rate_scale)
     train_jobs = protocol_jobs([], spec, train_sets)
     unseen_jobs = protocol_jobs(candidates, spec, unseen_sets)
     rows = run_jobs([*train_jobs, *unseen_jobs], n_jobs=2, quiet=quiet, desc="protocol",
@@ -184,7 +184,7 @@ def summary_table(per_seed: dict[int, dict[str, Any]]) -> str:
 
 def run_seeds(runs: Sequence[SeedRun], spec: DeploymentSpec, out: Path, *,
               ray: str | None = None, compare: bool = True, quiet: bool = False,
-              rate_multiplier: float = 1.0) -> str:
+              rate_scale: float = 1.0) -> str:
     """Train every seed, judge them in one grid, write ``out/seeds.md`` and
     ``out/seeds.json`` (and each seed's ``EVAL.md``); return the summary text.
 
@@ -205,7 +205,7 @@ def run_seeds(runs: Sequence[SeedRun], spec: DeploymentSpec, out: Path, *,
     if compare:
         candidates = {t["seed"]: f"ppo:{t['best']}" for t in trained}
         rows, pick = protocol_comparison(list(candidates.values()), spec, ray=ray,
-                                         quiet=quiet, rate_multiplier=rate_multiplier)
+                                         quiet=quiet, rate_scale=rate_scale)
         per_seed = {seed: judge(rows, cand, pick)["summary"]
                     for seed, cand in candidates.items()}
         for t in trained:

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from policies.artifact import copy_artifact, load_artifact
-from policies.evaluation.protocol import rate_multiplier_for
+from policies.evaluation.protocol import deployment_rate_scale
 from policies.ppo import PpoController
 from policies.training.distill import (
     Demonstrations,
@@ -93,7 +93,7 @@ class RecipeConfig:
     :param learning_rate: behaviour-cloning step size.
     :param finetune_steps: PPO fine-tuning decisions after DAgger (0: no fine-tuning).
     :param selection_rates: rate scales of the full-length validation windows (times
-        ``rate_multiplier``); unused with ``selection_knee``.
+        ``rate_scale``); unused with ``selection_knee``.
     :param selection_knee: choose the first deployment's validation rate scales where its
         training windows are contested instead (the best selection static meets the SLA for
         20-95% of requests, the regime the must-checks judge:
@@ -113,9 +113,9 @@ class RecipeConfig:
         ``(1.0,)``: the student chooses the total cap (and routes) only, so it cannot hold
         a bucket to a share of the batch. A teacher's trims are then projected away in its
         labels, so pair it with a teacher that does not trim (``mpc[trims=false]``).
-    :param rate_multiplier: multiplies every trace rate scale and generated load (a
+    :param rate_scale: multiplies every trace rate scale and generated load (a
         deployment with more capacity than one A100 serving llama-2-7b needs more load to
-        reach its knee; :data:`policies.evaluation.protocol.RATE_MULTIPLIERS`).
+        reach its knee; :data:`policies.evaluation.protocol.DEPLOYMENT_RATE_SCALES`).
     :param deployments: further ``gpu/model`` profiles to train over besides ``gpu`` and
         ``model`` (same pools): each workload is served on one of them, drawn uniformly, at
         its own measured rate multiplier relative to the first deployment's; selection adds
@@ -156,7 +156,7 @@ class RecipeConfig:
     obs_clip: bool = False
     labels: str = "choice"
     shares: tuple[float, ...] = SHARE_LADDER
-    rate_multiplier: float = 1.0
+    rate_scale: float = 1.0
     deployments: tuple[str, ...] = ("h100-80g/llama-2-7b", "a100-80g/llama-3.1-8b")
     members: int = 1
     out: str = "runs/recipe"
@@ -173,8 +173,8 @@ class RecipeConfig:
                              f"{self.obs_version}")
         if self.finetune_steps < 0:
             raise ValueError(f"finetune_steps must be >= 0, got {self.finetune_steps}")
-        if not self.rate_multiplier > 0:
-            raise ValueError(f"rate_multiplier must be > 0, got {self.rate_multiplier}")
+        if not self.rate_scale > 0:
+            raise ValueError(f"rate_scale must be > 0, got {self.rate_scale}")
         check_labels(self.labels)
         self.shares = tuple(float(s) for s in self.shares)
         if not 0 < self.mix_load[0] <= self.mix_load[1]:
@@ -227,15 +227,15 @@ class RecipeConfig:
         return TotalShareCodec(TOTAL_LADDER, self.shares, tuple(spec.pools), len(spec.buckets))
 
     def multiplier(self, deployment: int = 0) -> float:
-        """Rate multiplier of a deployment: ``rate_multiplier`` times its capacity relative to
+        """Rate multiplier of a deployment: ``rate_scale`` times its capacity relative to
         the first deployment's (the measured multipliers of one FP16 engine of each, so that
         pools measured on one GPU/model carry over)."""
         if deployment == 0:
-            return self.rate_multiplier
+            return self.rate_scale
         one = {"fp16": 1}
         deployments = self.train_deployments()
-        return (self.rate_multiplier * rate_multiplier_for(*deployments[deployment], one)
-                / rate_multiplier_for(*deployments[0], one))
+        return (self.rate_scale * deployment_rate_scale(*deployments[deployment], one)
+                / deployment_rate_scale(*deployments[0], one))
 
 
 def parse_deployment(text: str) -> tuple[str, str]:
@@ -425,7 +425,7 @@ class Recipe:
         sources = []
         for d, (gpu, model) in enumerate(cfg.train_deployments()):
             one = replace(cfg, gpu=gpu, model=model, deployments=(),
-                          rate_multiplier=cfg.multiplier(d))
+                          rate_scale=cfg.multiplier(d))
             sources.append((recipe_env_kwargs(gpu, model, cfg.pools, cfg.episode_s,
                                               cfg.obs_version, cfg.decision_ticks,
                                               cfg.shares),

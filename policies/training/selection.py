@@ -71,7 +71,7 @@ def knee_selection_rates(cfg: SelectionConfig, trace: str, count: int = 3,
     if not contested:
         raise ValueError(f"no scanned rate scale ({scan[0]:g}-{scan[-1]:g} x "
                          f"{multiplier:g}) makes the training window of {trace} contested "
-                         f"on {cfg.gpu}/{cfg.model} ({cfg.pools}): give --rate-multiplier")
+                         f"on {cfg.gpu}/{cfg.model} ({cfg.pools}): give --rate-scale")
     rates = sorted(contested)
     picks = sorted({rates[round(i * (len(rates) - 1) / max(count - 1, 1))]
                     for i in range(min(count, len(rates)))})

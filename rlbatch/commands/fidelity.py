@@ -213,7 +213,7 @@ def _profiles(args: argparse.Namespace, config: VllmEngineConfig, pool: str,
         save_profile(profile, args.save_profile)
     out = {"all": profile}
     if args.baseline:
-        # the model before issue 12: batch terms only, fitted on the sweep without the probes
+        # the earlier step model: batch terms only, fitted on the sweep without the probes
         base = _with_fit(profile, pool, fit_step_model(records[f"{pool}:sweep"], terms="batch"))
         out = {"batch": base, **out}
     return out

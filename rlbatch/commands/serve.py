@@ -36,15 +36,23 @@ from rlbatch.commands.options import (
 )
 from rlbatch.control.controllers import make_controller
 from rlbatch.control.specs import with_overrides
+from rlbatch.settings import add_flags
 from rlbatch.sidecar.app import create_app, serve
 from rlbatch.sidecar.options import (
     add_production_options,
     check_start_policy,
     production_settings,
 )
-from rlbatch.sidecar.settings import TOKENIZER_MODES, SidecarSettings, UpstreamSpec
+from rlbatch.sidecar.settings import SidecarSettings, UpstreamSpec
 
 ADMIN_TOKEN_ENV = "RLBATCH_ADMIN_TOKEN"
+
+# SidecarSettings fields whose flags derive from them (type, default, docstring)
+UPSTREAM_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "capacity_rps",
+                  "scrape_timeout_s", "connect_timeout_s", "request_timeout_s")
+CONTROL_FLAGS = ("shadow", "shadow_pool", "tick_s", "window_s", "cold_start")
+ADMISSION_FLAGS = ("max_queue_len", "kv_reserve", "kv_reserve_quantile", "queue_timeout_s",
+                   "retry_after_s", "tokenizer", "max_model_len")
 
 
 class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
@@ -67,22 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="a vLLM OpenAI server and its pool (fp16 | fp8); repeat for more "
                          "replicas and pools, e.g. --upstream fp16=http://127.0.0.1:8000 "
                          "--upstream fp8=http://127.0.0.1:8001")
-    up.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
-                    help="the upstreams' --max-num-seqs (vLLM does not export it)")
-    up.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                    help="the upstreams' --max-num-batched-tokens")
+    add_flags(up, SidecarSettings, only=UPSTREAM_FLAGS, defaults=d)
     add_gpu_model_options(up, gpu=d.gpu, model=d.model)
-    up.add_argument("--capacity-rps", type=float, default=None,
-                    help="requests/s of 1,024-token prompts with 256-token outputs all "
-                         "upstreams together serve (a policy with observation version 3 "
-                         "reads load in this unit; default: estimated from --gpu and --model "
-                         "when both name profiles)")
-    up.add_argument("--scrape-timeout-s", type=float, default=d.scrape_timeout_s)
-    up.add_argument("--connect-timeout-s", type=float, default=d.connect_timeout_s)
-    up.add_argument("--request-timeout-s", type=float, default=None,
-                    help="a hard total limit of one upstream request (default: none; "
-                         "--first-byte-timeout-s and --idle-timeout-s bound a hung upstream "
-                         "without cutting healthy long streams)")
 
     ctl = parser.add_argument_group("control")
     which = ctl.add_mutually_exclusive_group(required=True)
@@ -92,54 +86,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     which.add_argument("--controller", metavar="SPEC",
                        help=f"the controller: {CONTROLLER_HELP}")
     add_settings_option(ctl)
-    ctl.add_argument("--shadow", action="store_true",
-                     help="decide and log every tick, never act (no caps, one pool)")
-    ctl.add_argument("--shadow-pool", default=None,
-                     help="the pool every request goes to in shadow mode (default: the first)")
-    ctl.add_argument("--tick-s", type=float, default=d.tick_s, help="control interval")
-    ctl.add_argument("--window-s", type=float, default=d.window_s,
-                     help="sliding window of the latency percentiles")
+    add_flags(ctl, SidecarSettings, only=CONTROL_FLAGS, defaults=d)
     add_buckets_option(ctl)
     add_sla_options(ctl)
-    ctl.add_argument("--cold-start", action=argparse.BooleanOptionalAction,
-                     default=d.cold_start,
-                     help="the upstreams have just started: the guard's warm-up ramp applies "
-                          "(--no-cold-start: they are warm)")
     ctl.add_argument("--logdir", type=Path, default=None,
                      help="write the decisions to TensorBoard here")
 
     adm = parser.add_argument_group("admission")
-    adm.add_argument("--max-queue-len", type=int, default=d.max_queue_len,
-                     help="per-bucket queue bound (a full queue answers 429)")
-    adm.add_argument("--kv-reserve", choices=("observed", "declared"), default=d.kv_reserve,
-                     help="how the KV budget counts a request: observed (prompt + a high "
-                          "quantile of its bucket's recent completions, at most its "
-                          "max_tokens) or declared (prompt + max_tokens)")
-    adm.add_argument("--kv-reserve-quantile", type=float, default=d.kv_reserve_quantile,
-                     help="output quantile the observed count takes")
-    adm.add_argument("--queue-timeout-s", type=float, default=d.queue_timeout_s,
-                     help="longest wait in a queue before 429")
-    adm.add_argument("--retry-after-s", type=int, default=d.retry_after_s,
-                     help="Retry-After of 429 / 503 answers")
-    adm.add_argument("--tokenizer", default=d.tokenizer,
-                     help=f"prompt token counting: {' | '.join(TOKENIZER_MODES)} | a "
-                          f"tokenizer.json or model folder")
-    adm.add_argument("--max-model-len", type=int, default=None,
-                     help="longest prompt + output (default: the upstreams' max_model_len)")
+    add_flags(adm, SidecarSettings, only=ADMISSION_FLAGS, defaults=d)
     add_over_length_option(adm, default=None,
                            default_text="default: vLLM's own rule (the output is shortened "
                                         "to fit; a prompt alone too long is refused)")
 
     srv = parser.add_argument_group("server")
-    srv.add_argument("--host", default=d.host,
-                     help="address to bind (default loopback; 0.0.0.0 in a pod)")
-    srv.add_argument("--port", type=int, default=d.port)
+    add_flags(srv, SidecarSettings, only=("host", "port", "gpu_telemetry"), defaults=d)
     srv.add_argument("--admin-token", default=None,
                      help=f"bearer token of /admin/* (better: set ${ADMIN_TOKEN_ENV}, which "
                           f"ps does not show; at least 16 characters); without one, /admin/* "
                           f"is off (403)")
-    srv.add_argument("--no-gpu-telemetry", dest="gpu_telemetry", action="store_false",
-                     help="do not read GPU memory with NVML")
     srv.add_argument("--access-log", action="store_true", help="log every request")
     srv.add_argument("--log-level", default="INFO")
     srv.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
@@ -153,22 +117,14 @@ def settings_from_args(args: argparse.Namespace) -> SidecarSettings:
     :param args: from a parser built with :func:`add_arguments`.
     :raises ValueError: a bad value (the message names it).
     """
+    derived = {name: getattr(args, name) for name in (
+        *UPSTREAM_FLAGS, *CONTROL_FLAGS, *ADMISSION_FLAGS, "host", "port", "gpu_telemetry")}
     return SidecarSettings(
         upstreams=tuple(UpstreamSpec.parse(u) for u in args.upstream),
-        host=args.host, port=args.port, buckets=args.buckets,
-        tick_s=args.tick_s, window_s=args.window_s, sla=sla_from_args(args),
-        max_queue_len=args.max_queue_len, queue_timeout_s=args.queue_timeout_s,
-        retry_after_s=args.retry_after_s, tokenizer=args.tokenizer,
-        max_model_len=args.max_model_len, over_length=args.over_length,
-        kv_reserve=args.kv_reserve, kv_reserve_quantile=args.kv_reserve_quantile,
-        shadow=args.shadow,
-        shadow_pool=args.shadow_pool, logdir=args.logdir, cold_start=args.cold_start,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        gpu=args.gpu, model=args.model, capacity_rps=args.capacity_rps,
-        scrape_timeout_s=args.scrape_timeout_s,
-        connect_timeout_s=args.connect_timeout_s, request_timeout_s=args.request_timeout_s,
+        buckets=args.buckets, sla=sla_from_args(args), over_length=args.over_length,
+        logdir=args.logdir, gpu=args.gpu, model=args.model,
         admin_token=args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None,
-        gpu_telemetry=args.gpu_telemetry, **production_settings(args))
+        **derived, **production_settings(args))
 
 
 def controller_spec(args: argparse.Namespace) -> str:

@@ -10,11 +10,12 @@ request costs its share of ``output`` decode iterations plus its own prefill::
 
     seconds per request = output * t_decode(N, N * (prompt + output / 2)) / N + t_prefill(prompt)
 
-With 1,024 prompt and 256 output tokens the estimates relative to A100 / Llama-2-7B are 1.92
-(H100 / Llama-2-7B), 1.68 (A100 / Llama-3.1-8B), 3.96 (H100 / Llama-3.1-8B), 4.84 (H200 /
-Llama-3.1-8B) and 2.17 (H200 / Llama-3.1-70B, tp 4), against rate multipliers of 2.0, 1.6,
-4.4, 5.0 and 2.0 measured to put the Azure protocol runs at the knee
-(:data:`policies.evaluation.protocol.RATE_MULTIPLIERS`): within 10% on every shipped deployment.
+With 1,024 prompt and 256 output tokens the estimates relative to A100 / Llama-2-7B are 1.92 (H100 /
+Llama-2-7B), 1.68 (A100 / Llama-3.1-8B), 3.96 (H100 / Llama-3.1-8B), 4.84 (H200 / Llama-3.1-8B) and
+2.17 (H200 / Llama-3.1-70B, tp 4), against rate scales of 2.0, 1.6, 4.4, 5.0 and 2.0 measured
+to put the Azure protocol runs at the knee
+(:data:`policies.evaluation.protocol.DEPLOYMENT_RATE_SCALES`): within 10% on every shipped
+deployment.
 """
 
 from __future__ import annotations

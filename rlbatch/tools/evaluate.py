@@ -58,7 +58,7 @@ def _load_source(job: EvalJob) -> Workload:
     if job.trace.startswith("scenario:"):
         name, _, duration = job.trace.removeprefix("scenario:").partition(":")
         workload = make_scenario(name, seed=job.seed, duration_s=float(duration or 900),
-                                 load_scale=job.rate_scale)
+                                 rate_scale=job.rate_scale)
         return _first(workload, job.max_requests)
     return _first(resolve_workload(job.trace, job.seed, rate_scale=job.rate_scale),
                   job.max_requests)

@@ -1,7 +1,7 @@
 """Scenario library: named workloads (the tuning guide's case study among them) and the
 domain-randomised sampler the environment draws training episodes from.
 
-Rates are set for the default deployment (Llama-2-7B on one A100-80G); ``load_scale``
+Rates are set for the default deployment (Llama-2-7B on one A100-80G); ``rate_scale``
 multiplies every rate for bigger or smaller deployments.
 
 Case study (guide: financial customer service), reproduced on the simulator:
@@ -42,7 +42,7 @@ class Scenario:
 
     :param name: short name (``day``, ``night``, ...).
     :param description: one line for reports.
-    :param make: ``(seed, duration_s, load_scale) -> Workload``.
+    :param make: ``(seed, duration_s, rate_scale) -> Workload``.
     """
 
     name: str
@@ -78,14 +78,14 @@ SCENARIOS: dict[str, Scenario] = {
 
 
 def make_scenario(name: str, *, seed: int = 0, duration_s: float = 900.0,
-                  load_scale: float = 1.0) -> Workload:
+                  rate_scale: float = 1.0) -> Workload:
     """Build a named scenario's workload."""
     if name not in SCENARIOS:
         raise ValueError(f"unknown scenario {name!r}; available: {', '.join(SCENARIOS)}")
-    if not duration_s > 0 or not load_scale > 0:
-        raise ValueError(f"duration_s and load_scale must be > 0, got {duration_s}, "
-                         f"{load_scale}")
-    return SCENARIOS[name].make(seed, duration_s, load_scale)
+    if not duration_s > 0 or not rate_scale > 0:
+        raise ValueError(f"duration_s and rate_scale must be > 0, got {duration_s}, "
+                         f"{rate_scale}")
+    return SCENARIOS[name].make(seed, duration_s, rate_scale)
 
 
 def slice_trace(trace: Workload, start_s: float, duration_s: float, rate_scale: float,
@@ -118,14 +118,14 @@ class ScenarioSampler:
     :param gen_rate_rps: range of mean rates for generators.
     :param long_fraction: range of the long-report share in generated mixes.
     :param trace_fraction: probability of drawing a trace slice.
-    :param load_scale: multiplies every rate (bigger / smaller deployments).
+    :param rate_scale: multiplies every rate (bigger / smaller deployments).
     """
 
     def __init__(self, traces: tuple[str | Path, ...] = (), *,
                  trace_rate_scale: tuple[float, float] = (0.25, 1.0),
                  gen_rate_rps: tuple[float, float] = (1.0, 8.0),
                  long_fraction: tuple[float, float] = (0.0, 0.4),
-                 trace_fraction: float = 0.5, load_scale: float = 1.0) -> None:
+                 trace_fraction: float = 0.5, rate_scale: float = 1.0) -> None:
         for name, (lo, hi) in (("trace_rate_scale", trace_rate_scale),
                                ("gen_rate_rps", gen_rate_rps)):
             if not 0 < lo <= hi:
@@ -139,7 +139,7 @@ class ScenarioSampler:
         self.gen_rate_rps = gen_rate_rps
         self.long_fraction = long_fraction
         self.trace_fraction = trace_fraction if traces else 0.0
-        self.load_scale = load_scale
+        self.rate_scale = rate_scale
         self._loaded: dict[str, Workload] = {}
 
     def _trace(self, path: str) -> Workload:
@@ -152,13 +152,13 @@ class ScenarioSampler:
         if self.traces and rng.random() < self.trace_fraction:
             trace = self._trace(self.traces[int(rng.integers(len(self.traces)))])
             lo, hi = self.trace_rate_scale
-            scale = float(np.exp(rng.uniform(np.log(lo), np.log(hi)))) * self.load_scale
+            scale = float(np.exp(rng.uniform(np.log(lo), np.log(hi)))) * self.rate_scale
             span = duration_s * scale
             latest = max(trace.duration_s - span, 0.0)
             start = float(rng.uniform(0.0, latest)) if latest > 0 else 0.0
             return slice_trace(trace, start, duration_s, scale)
         lo, hi = self.gen_rate_rps
-        rate = float(np.exp(rng.uniform(np.log(lo), np.log(hi)))) * self.load_scale
+        rate = float(np.exp(rng.uniform(np.log(lo), np.log(hi)))) * self.rate_scale
         long_share = float(rng.uniform(*self.long_fraction))
         lengths = night_mix(long_share) if long_share > 0 else day_mix()
         seed = int(rng.integers(2**31))
