@@ -147,7 +147,8 @@ class MpcConfig:
 
     def __post_init__(self) -> None:
         if not (self.horizon_s > 0 and self.every_s > 0 and self.window_s > 0):
-            raise ValueError(f"mpc horizon, every and window must be > 0, got {self}")
+            raise ValueError(f"horizon_s, every_s and window_s must be > 0, got "
+                             f"{self.horizon_s}, {self.every_s}, {self.window_s}")
         if not self.totals or any(t not in TOTAL_LADDER for t in self.totals):
             raise ValueError(f"mpc totals must be on the codec's ladder {TOTAL_LADDER}, got "
                              f"{self.totals}")
@@ -206,7 +207,7 @@ class MpcController(GuardedController):
 
     @property
     def discipline(self) -> AdmissionDiscipline:
-        """The guard's KV budget, FIFO; unguarded (``guard=0``), a plain vLLM server's."""
+        """The guard's KV budget, FIFO; unguarded (``guarded=false``), a plain vLLM server's."""
         return super().discipline if self.config.guarded else PLAIN
 
     def on_reset(self, info: DeploymentInfo) -> None:

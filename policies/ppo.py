@@ -146,8 +146,8 @@ class PpoSettings:
     :param release: when what the policy holds back is released
         (:class:`~rlbatch.control.hold_release.HoldRelease`: ``release.wait_fraction``,
         ``release.tpot_tolerance``); ``none``: never.
-    :param guard: the guard to serve behind (default: the one the artifact records; another
-        one is logged as a warning).
+    :param guard: the guard to serve behind (default: the one the artifact records; ``guard.*``
+        settings change that one, and any difference from it is logged as a warning).
     """
 
     order: QueueOrder = PPO_QUEUE_ORDER
@@ -165,6 +165,8 @@ def ppo_factory(arg: str, settings: Mapping[str, Any]) -> PpoController:
     """
     if not arg:
         raise ValueError("ppo needs an artifact path, e.g. ppo:policies/default")
-    cfg = apply(PpoSettings(), settings)
-    return PpoController(load_artifact(Path(arg)), name=f"ppo:{arg}", guard=cfg.guard,
-                         release=cfg.release, order=cfg.order)
+    artifact = load_artifact(Path(arg))
+    # guard.* settings change the guard the artifact records, not the default one
+    cfg = apply(PpoSettings(guard=artifact_guard(artifact)), settings)
+    return PpoController(artifact, name=f"ppo:{arg}", guard=cfg.guard, release=cfg.release,
+                         order=cfg.order)

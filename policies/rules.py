@@ -18,7 +18,7 @@ from rlbatch.control.guard import Guard, GuardConfig
 from rlbatch.control.hold_release import HoldRelease
 from rlbatch.control.pipeline import DecisionPipeline
 from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats, balanced_route
-from rlbatch.settings import apply
+from rlbatch.settings import SettingsError, apply
 
 
 class GuardedController(Controller):
@@ -354,6 +354,9 @@ def fixed_factory(arg: str, settings: Mapping[str, Any]) -> FixedController:
     if (total is not None and total < 1) or any(c is not None and c < 1 for c in caps or ()):
         raise ValueError(f"fixed caps must be >= 1, got fixed:{arg}")
     cfg = apply(FixedSettings(), settings)
+    if not cfg.guarded and "guard" in settings:
+        raise SettingsError("guarded=false switches every rule of the guard off: its guard.* "
+                            "settings would be ignored")
     guard = cfg.guard if cfg.guarded else replace(UNGUARDED, ladder=cfg.guard.ladder,
                                                   max_total_cap=cfg.guard.max_total_cap)
     return FixedController(f"fixed:{arg}", caps, total, guard, cfg.order)

@@ -108,6 +108,38 @@ def describe(tp: Any) -> str:
     return f"{text} or none" if optional else text
 
 
+def _to_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
+        return value.lower() in _TRUE
+    raise ValueError(value)
+
+
+def _to_int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(value)
+    return int(value)
+
+
+def _to_float(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(value)
+    number = float(value)
+    if math.isnan(number):
+        raise ValueError(value)
+    return number
+
+
+def _to_str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(value)
+    return value
+
+
+_SCALARS: dict[Any, Any] = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
+
+
 def convert(tp: Any, value: Any, key: str) -> Any:
     """``value`` (text from an override or a flag, or a TOML value) as type ``tp``.
 
@@ -119,45 +151,13 @@ def convert(tp: Any, value: Any, key: str) -> Any:
     inner, optional = _optional(tp)
     if optional and (value is None or (isinstance(value, str) and value.lower() == "none")):
         return None
+    table = _dataclass_type(inner)
+    if table is not None:
+        off = "; none turns it off" if optional else ""
+        raise SettingsError(f"{key} is a table of {table.__name__} settings (set its keys, "
+                            f"e.g. {key}.{next(iter(field_types(table)))}=...{off}), got "
+                            f"{value!r}")
     bad = SettingsError(f"{key} takes {describe(tp)}, got {value!r}")
-    if _dataclass_type(inner) is not None:
-        raise SettingsError(f"{key} is a table of {inner.__name__} settings (set its keys, "
-                            f"e.g. {key}.{next(iter(field_types(inner)))}=...), got {value!r}")
-    if inner is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
-            return value.lower() in _TRUE
-        raise bad
-    if inner is int:
-        if isinstance(value, bool):
-            raise bad
-        if isinstance(value, int):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                raise bad from None
-        raise bad
-    if inner is float:
-        if isinstance(value, bool):
-            raise bad
-        if isinstance(value, int | float):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                number = float(value)
-            except ValueError:
-                raise bad from None
-            if math.isnan(number):
-                raise bad
-            return number
-        raise bad
-    if inner is str:
-        if isinstance(value, str):
-            return value
-        raise bad
     if get_origin(inner) is Literal:
         if value in get_args(inner):
             return value
@@ -169,7 +169,13 @@ def convert(tp: Any, value: Any, key: str) -> Any:
             raise bad
         return tuple(convert(element, item.strip() if isinstance(item, str) else item,
                              f"{key}[{i}]") for i, item in enumerate(items))
-    raise SettingsError(f"{key}: fields of type {tp} cannot be set")
+    scalar = _SCALARS.get(inner)
+    if scalar is None:
+        raise SettingsError(f"{key}: fields of type {tp} cannot be set")
+    try:
+        return scalar(value)
+    except ValueError:
+        raise bad from None
 
 
 def apply(obj: T, values: Mapping[str, Any], where: str = "") -> T:

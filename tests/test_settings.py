@@ -182,6 +182,15 @@ def test_every_controller_kind_takes_typed_settings(spec: str, kind: type) -> No
     assert controller.pipeline is not None
 
 
+def test_ppo_guard_settings_change_the_recorded_guard_not_the_default() -> None:
+    recorded = make_controller("ppo:policies/default")
+    changed = make_controller("ppo:policies/default[guard.p99=false]")
+    assert recorded.pipeline is not None and changed.pipeline is not None
+    assert changed.pipeline.config.ladder == recorded.pipeline.config.ladder
+    assert changed.pipeline.config.max_cap == 256 and not changed.pipeline.config.p99
+    assert changed.guard_warnings == ["p99: True recorded, False in force"]  # type: ignore[attr-defined]
+
+
 def test_settings_errors_name_the_controller_and_the_key() -> None:
     cases = [("static:16[order=deadline]", "static:N takes no settings"),
              ("vllm-default[a=1]", "vllm-default takes no settings"),
@@ -190,9 +199,34 @@ def test_settings_errors_name_the_controller_and_the_key() -> None:
              ("random:2[ladder=1]", "random:2: unknown setting 'ladder'; GuardSettings has "
                                     "guard"),
              ("mpc[totals=3]", "mpc totals must be on the codec's ladder"),
-             ("ppo:policies/default[release.wait_fraction=0]", "wait_fraction must be > 0")]
+             ("ppo:policies/default[release.wait_fraction=0]", "wait_fraction must be > 0"),
+             ("ppo:policies/default[release=off]", "none turns it off"),
+             ("fixed:64[guarded=false,guard.p99=false]", "its guard.* settings would be "
+                                                         "ignored"),
+             ("mpc[horizon_s=0]", "horizon_s, every_s and window_s must be > 0"),
+             ("fixed:64[guard.kv_budget.fraction=2]", "guard.kv_budget: fraction must be in")]
     for spec, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)):
             make_controller(spec)
     assert make_controller("playbook[long_cap=4]").guard.config == GuardConfig(  # type: ignore[attr-defined]
         p99_fallback="no_batching", kv_budget=KvBudget(commit="final"))
+
+
+def test_nan_is_refused_from_a_file_as_from_text() -> None:
+    for value in (math.nan, "nan"):
+        with pytest.raises(SettingsError, match="k takes a number"):
+            convert(float, value, "k")
+
+
+def test_a_policy_folder_named_like_a_settings_file_is_a_preset() -> None:
+    parsed = parse_spec("ppo:/srv/policies/v1.toml[order=fifo]")
+    assert (parsed.preset, dict(parsed.settings)) == ("ppo:/srv/policies/v1.toml",
+                                                      {"order": "fifo"})
+
+
+def test_a_factory_that_builds_no_controller_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rlbatch.control import controllers
+
+    monkeypatch.setitem(controllers.BUILTIN_CONTROLLERS, "odd", lambda arg, settings: object())
+    with pytest.raises(TypeError, match=re.escape("not a rlbatch.control.controllers.Controller")):
+        make_controller("odd")

@@ -115,9 +115,14 @@ def test_policy_switch_confined_to_policy_dirs_no_file_oracle(tmp_path: Path) ->
                 status, text = await switch(f"ppo:{big}")
                 assert status == 400 and "larger than 4096 bytes" in text
                 assert sidecar.control.controller.name == "static:2"
-                status, text = await switch(f"ppo:{good}")
+                # brackets out of place, a settings file, a bad setting: 400, never a 500
+                for bad in ("static:8[", "fixed:64]", f"{good}.toml", "fixed:64[order=lifo]"):
+                    status, text = await switch(bad)
+                    assert status == 400 and json.loads(text)["error"]["param"] == "controller"
+                status, text = await switch(f"ppo:{good}[order=fifo]")
                 assert status == 200, text
-                assert sidecar.control.controller.name.startswith("ppo:")
+                assert sidecar.control.controller.name == f"ppo:{good.resolve()}[order=fifo]"
+                assert sidecar.state()["controller_admission"]["order"] == "fifo"
 
     asyncio.run(scenario())
 

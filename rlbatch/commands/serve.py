@@ -36,7 +36,7 @@ from rlbatch.commands.options import (
 )
 from rlbatch.control.controllers import make_controller
 from rlbatch.control.specs import with_overrides
-from rlbatch.settings import add_flags
+from rlbatch.settings import add_flags, from_flags
 from rlbatch.sidecar.app import create_app, serve
 from rlbatch.sidecar.options import (
     add_production_options,
@@ -53,6 +53,7 @@ UPSTREAM_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "capacity_rps",
 CONTROL_FLAGS = ("shadow", "shadow_pool", "tick_s", "window_s", "cold_start")
 ADMISSION_FLAGS = ("max_queue_len", "kv_reserve", "kv_reserve_quantile", "queue_timeout_s",
                    "retry_after_s", "tokenizer", "max_model_len")
+SERVER_FLAGS = ("host", "port", "gpu_telemetry")
 
 
 class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
@@ -99,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                         "to fit; a prompt alone too long is refused)")
 
     srv = parser.add_argument_group("server")
-    add_flags(srv, SidecarSettings, only=("host", "port", "gpu_telemetry"), defaults=d)
+    add_flags(srv, SidecarSettings, only=SERVER_FLAGS, defaults=d)
     srv.add_argument("--admin-token", default=None,
                      help=f"bearer token of /admin/* (better: set ${ADMIN_TOKEN_ENV}, which "
                           f"ps does not show; at least 16 characters); without one, /admin/* "
@@ -117,14 +118,14 @@ def settings_from_args(args: argparse.Namespace) -> SidecarSettings:
     :param args: from a parser built with :func:`add_arguments`.
     :raises ValueError: a bad value (the message names it).
     """
-    derived = {name: getattr(args, name) for name in (
-        *UPSTREAM_FLAGS, *CONTROL_FLAGS, *ADMISSION_FLAGS, "host", "port", "gpu_telemetry")}
-    return SidecarSettings(
+    return from_flags(
+        SidecarSettings, args,
+        only=(*UPSTREAM_FLAGS, *CONTROL_FLAGS, *ADMISSION_FLAGS, *SERVER_FLAGS),
         upstreams=tuple(UpstreamSpec.parse(u) for u in args.upstream),
         buckets=args.buckets, sla=sla_from_args(args), over_length=args.over_length,
         logdir=args.logdir, gpu=args.gpu, model=args.model,
         admin_token=args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None,
-        **derived, **production_settings(args))
+        **production_settings(args))
 
 
 def controller_spec(args: argparse.Namespace) -> str:

@@ -212,5 +212,9 @@ def make_controller(spec: str) -> Controller:
         controller = factory(arg, parsed.settings)
     except SettingsError as exc:
         raise SettingsError(f"{parsed.preset}: {exc}") from None
+    if not isinstance(controller, Controller):
+        raise TypeError(f"controller {name!r} built a {type(controller).__name__}, not a "
+                        f"rlbatch.control.controllers.Controller (subclass it: its optional "
+                        f"hooks have defaults)")
     controller.name = parsed.name
     return controller

@@ -70,8 +70,7 @@ class KvBudget:
 
     def __post_init__(self) -> None:
         if not 0 < self.fraction <= 1:
-            # named as the command line and a guard record spell it
-            raise ValueError(f"kv_budget_fraction must be in (0, 1], got {self.fraction}")
+            raise ValueError(f"fraction must be in (0, 1], got {self.fraction}")
         check_kv_commit(self.commit)
 
 

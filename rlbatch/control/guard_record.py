@@ -73,8 +73,11 @@ def guard_from_record(record: Mapping[str, object]) -> GuardConfig:
     fraction = record.get("kv_budget_fraction", default.fraction)
     if not isinstance(fraction, int | float) or isinstance(fraction, bool):
         raise ValueError(f"kv_budget_fraction must be a number, got {fraction!r}")
-    values["kv_budget"] = (KvBudget(float(fraction), commit)  # type: ignore[arg-type]
-                           if record.get("kv_budget", True) else None)
+    try:
+        budget = KvBudget(float(fraction), commit)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise ValueError(f"kv_budget_fraction / kv_commit: {exc}") from None
+    values["kv_budget"] = budget if record.get("kv_budget", True) else None
     return GuardConfig(**values)  # type: ignore[arg-type]
 
 

@@ -7,8 +7,9 @@
     fixed:256[order=deadline]     a preset with settings: KEY=VALUE, comma-separated; a
                                   dotted key reaches into a table (guard.p99=false,
                                   guard.kv_budget.fraction=0.8, release=none)
-    my-controller.toml            a settings file: ``controller = "fixed:256"``, optionally
-                                  ``name = "..."``, then the settings as keys and tables
+    my-controller.toml            a settings file (a path without ``:``):
+                                  ``controller = "fixed:256"``, optionally ``name = "..."``,
+                                  then the settings as keys and tables
 
 The keys are the fields of the preset's settings dataclass (each factory says which one:
 e.g. :class:`policies.rules.FixedSettings`), converted and validated by
@@ -103,7 +104,7 @@ def parse_spec(text: str) -> ParsedSpec:
     preset, items = _split(text)
     settings = parse_overrides(items)
     name = text.strip()
-    if preset.endswith(".toml"):
+    if preset.endswith(".toml") and ":" not in preset:  # ppo:PATH.toml is a folder's name
         data = load_settings_file(preset)
         inner = data.pop("controller", None)
         if not isinstance(inner, str) or not inner or inner.endswith((".toml", "]")):

@@ -216,7 +216,7 @@ class ServiceRoutes:
                               param="controller")
         try:
             spec = self._checked_spec(spec)
-        except PolicyPathError as exc:
+        except ValueError as exc:  # a refused path, or brackets out of place
             return json_error(400, f"cannot switch to {spec!r}: {exc}", "invalid_request_error",
                               param="controller")
         try:

@@ -197,7 +197,8 @@ class SidecarControl:
         if self.settings.shadow:
             if changed:
                 _LOG.info("shadow decision (not applied) at tick %d: %s", self.ticks,
-                          self.describe(action))
+                          describe_action(action, self.bucket_names,
+                                          self.controller.discipline))
         elif action != self.in_force:
             _LOG.info("tick %d: %s", self.ticks, self.describe(action))
         self.loop.apply(action, enforce=not self.settings.shadow)

@@ -325,6 +325,7 @@ class Sidecar:
             "over_length": self.over_length, "max_chars_per_token": self.max_chars_per_token,
             "in_force": action_dict(c.in_force), "decided": action_dict(c.decided),
             "admission": discipline_dict(self.admission.discipline),
+            "controller_admission": discipline_dict(c.controller.discipline),
             "queued": dict(zip(self.bucket_names, self.admission.queued(), strict=True)),
             "upstreams": [{"name": u.name, "pool": u.pool, "url": u.url, "healthy": u.healthy,
                            "down_reason": u.down_reason, "running": u.running_total,
