@@ -18,11 +18,18 @@ from pathlib import Path
 
 from rlbatch.workload.base import Workload
 from rlbatch.workload.generators import bursty, diurnal, poisson
-from rlbatch.workload.lengths import LengthDist, azure_like_mix, day_mix, night_mix
+from rlbatch.workload.lengths import (
+    LengthDist,
+    azure_like_mix,
+    code_completion_mix,
+    day_mix,
+    night_mix,
+)
 from rlbatch.workload.traces import load_trace
 
 MIXES: dict[str, Callable[[], LengthDist]] = {
-    "day": day_mix, "night": night_mix, "azure-like": azure_like_mix}
+    "day": day_mix, "night": night_mix, "azure-like": azure_like_mix,
+    "code": code_completion_mix}
 
 #: Generator name -> optional keys beyond rate, duration and mix.
 GENERATOR_KEYS: dict[str, tuple[str, ...]] = {
