@@ -27,12 +27,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from policies.rules import GuardedController
+from rlbatch.control.action_codec import TOTAL_LADDER
 from rlbatch.control.discipline import QueueOrder
 from rlbatch.control.guard import GuardConfig
 from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats, balanced_route
 from rlbatch.settings import apply
 
-TOTAL_GUARD = GuardConfig(ladder=(4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256))
+TOTAL_GUARD = GuardConfig(ladder=TOTAL_LADDER)
 """The guard on the total ladder (up to 256), as ``ppo:PATH``'s artifacts record it."""
 
 

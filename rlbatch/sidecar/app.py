@@ -57,7 +57,7 @@ from rlbatch.sidecar.connections import (
     default_max_connections,
     quiet_bad_requests,
 )
-from rlbatch.sidecar.control_tick import ControllerFactory
+from rlbatch.sidecar.control_tick import ControllerBuilder
 from rlbatch.sidecar.policy_files import (
     PolicyPathError,
     check_policy_dir,
@@ -264,7 +264,7 @@ def not_found(served: web.Application) -> Handler:
 
 
 def create_app(settings: SidecarSettings, controller: Controller, *,
-               controller_factory: ControllerFactory | None = None) -> web.Application:
+               controller_factory: ControllerBuilder | None = None) -> web.Application:
     """Build the sidecar application (no I/O: the HTTP client, tokenizer, TensorBoard writer
     and control task start with the app).
 

@@ -33,7 +33,8 @@ from rlbatch.sidecar.tensorboard import DecisionWriter, tick_scalars
 
 _LOG = logging.getLogger("rlbatch.sidecar")
 
-ControllerFactory = Callable[[str], Controller]
+ControllerBuilder = Callable[[str], Controller]
+"""Builds a controller from its whole spec (:func:`rlbatch.control.controllers.make_controller`)."""
 
 
 def fallback_guard_config(controller: Controller) -> GuardConfig:
@@ -75,7 +76,7 @@ class SidecarControl:
     """
 
     def __init__(self, settings: SidecarSettings, controller: Controller,
-                 factory: ControllerFactory | None, source: UpstreamSource,
+                 factory: ControllerBuilder | None, source: UpstreamSource,
                  metrics: SidecarMetrics, describe: Callable[[], DeploymentInfo]) -> None:
         self.settings = settings
         self.bucket_names = settings.buckets.names

@@ -30,7 +30,7 @@ from rlbatch.engine.base import Engine
 from rlbatch.engine.telemetry import MemoryTelemetry
 from rlbatch.serving.admission import Admission, AdmissionConfig
 from rlbatch.sidecar.control_tick import (
-    ControllerFactory,
+    ControllerBuilder,
     SidecarControl,
     fallback_guard_config,
 )
@@ -66,7 +66,7 @@ class Sidecar:
     """
 
     def __init__(self, settings: SidecarSettings, controller: Controller,
-                 controller_factory: ControllerFactory | None = None) -> None:
+                 controller_factory: ControllerBuilder | None = None) -> None:
         self.settings = settings
         self.buckets = settings.buckets
         self.bucket_names = settings.buckets.names
