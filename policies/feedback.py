@@ -17,14 +17,20 @@ Every tick, from the last tick's snapshot:
 
 The total stays within ``[min_total, max_total]``. A TTFT breach with a queue is queueing,
 which a smaller batch deepens: that is left to deadline order and to the guard.
+
+With ``signal="misses"`` a latency breach lowers the total only while, over the last
+``window_s``, more finished requests missed the SLA on TPOT alone than on TTFT: where the
+queue costs more requests than slow decoding does (a burst of conversation traffic at a total
+of 256), a smaller batch would trade the few for the many, so the total holds or grows.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from policies.rules import GuardedController
 from rlbatch.control.action_codec import TOTAL_LADDER
@@ -41,6 +47,10 @@ TOTAL_GUARD = GuardConfig(ladder=TOTAL_LADDER)
 class GradientSettings:
     """Settings of ``gradient`` (:class:`GradientController`).
 
+    ``tpot_target``, ``increase``, ``cooldown_s`` and ``signal`` are tuned on training traffic
+    only (``experiments/tune_gradient.py``: the Azure training window and the traffic
+    families' training seed; the best geo-mean goodput over the best static's of 16 settings).
+
     :param start_total: the total at the start of a run.
     :param min_total: the smallest total.
     :param max_total: the largest total.
@@ -51,6 +61,9 @@ class GradientSettings:
     :param increase: added to the total per tick while requests wait and latency is within
         its targets.
     :param cooldown_s: the least time between two decreases.
+    :param signal: ``p99``: a breach of a latency target lowers the total; ``misses``: only
+        while TPOT misses outnumber TTFT misses over ``window_s`` (module docstring).
+    :param window_s: how far back ``misses`` counts finished requests.
     :param order: the order of admission's queues.
     :param guard: the guard.
     """
@@ -58,11 +71,13 @@ class GradientSettings:
     start_total: int = 64
     min_total: int = 4
     max_total: int = 256
-    tpot_target: float = 0.9
+    tpot_target: float = 1.0
     ttft_target: float = 0.9
     min_gradient: float = 0.5
-    increase: int = 4
-    cooldown_s: float = 5.0
+    increase: int = 8
+    cooldown_s: float = 15.0
+    signal: Literal["p99", "misses"] = "p99"
+    window_s: float = 30.0
     order: QueueOrder = "deadline"
     guard: GuardConfig = TOTAL_GUARD
 
@@ -75,6 +90,10 @@ class GradientSettings:
                              f"{self.tpot_target}, {self.ttft_target}")
         if not 0 < self.min_gradient < 1:
             raise ValueError(f"min_gradient must be in (0, 1), got {self.min_gradient}")
+        if self.signal not in ("p99", "misses"):
+            raise ValueError(f"signal must be p99 or misses, got {self.signal!r}")
+        if not self.window_s > 0:
+            raise ValueError(f"window_s must be > 0, got {self.window_s}")
         if self.increase < 0 or not self.cooldown_s >= 0:
             raise ValueError(f"increase and cooldown_s must be >= 0, got {self.increase}, "
                              f"{self.cooldown_s}")
@@ -94,10 +113,26 @@ class GradientController(GuardedController):
         super().__init__("gradient", self.settings.guard, self.settings.order)
         self.total = float(self.settings.start_total)
         self._decreased_at = -math.inf
+        self._misses: deque[tuple[float, int, int]] = deque()
 
     def on_reset(self, info: DeploymentInfo) -> None:
         self.total = float(self.settings.start_total)
         self._decreased_at = -math.inf
+        self._misses.clear()
+
+    def _tpot_dominates(self, stats: DeploymentStats) -> bool:
+        """Over the last ``window_s``: more finished requests missed on TPOT alone than on
+        TTFT (refused requests count as TTFT misses)."""
+        assert self.info is not None
+        sla = self.info.sla
+        ttft = sum(stats.rejected) + sum(1 for r in stats.finished
+                                         if not r.rejected and r.ttft_s > sla.ttft_s)
+        tpot = sum(1 for r in stats.finished
+                   if not r.rejected and r.ttft_s <= sla.ttft_s and r.tpot_s > sla.tpot_s)
+        self._misses.append((stats.time_s, ttft, tpot))
+        while self._misses and self._misses[0][0] <= stats.time_s - self.settings.window_s:
+            self._misses.popleft()
+        return sum(m[2] for m in self._misses) > sum(m[1] for m in self._misses)
 
     def propose(self, stats: DeploymentStats | None) -> ControlAction:
         assert self.info is not None
@@ -109,6 +144,8 @@ class GradientController(GuardedController):
             # target / measured of each breached latency (NaN, no completion: no signal)
             ratios: list[float] = []
             tpot_s, ttft_s = cfg.tpot_target * sla.tpot_s, cfg.ttft_target * sla.ttft_s
+            if cfg.signal == "misses" and not self._tpot_dominates(stats):
+                tpot_s, ttft_s = math.inf, math.inf  # the queue costs more: no decrease
             if w.tpot_p99_all_s > tpot_s:
                 ratios.append(tpot_s / w.tpot_p99_all_s)
             if not waiting and w.ttft_p99_all_s > ttft_s:

@@ -56,7 +56,7 @@ from policies.mpc_candidates import Key, fair_keys, splits, trims, untrimmed
 from policies.mpc_score import score_rollout
 from policies.rules import GuardedController
 from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, TotalShareCodec
-from rlbatch.control.discipline import PLAIN, AdmissionDiscipline
+from rlbatch.control.discipline import PLAIN, AdmissionDiscipline, QueueOrder
 from rlbatch.control.guard import GuardConfig
 from rlbatch.control.types import (
     ControlAction,
@@ -165,13 +165,15 @@ class MpcController(GuardedController):
     :param config: its knobs.
     :param guard: the guard configuration (default guard).
     :param name: the command-line name.
+    :param order: the order of admission's queues, in its rollouts as in the run (a teacher
+        in the order its student serves in labels with the order's effect).
     """
 
     reports_proposals = True
 
     def __init__(self, config: MpcConfig | None = None, guard: GuardConfig | None = None,
-                 name: str = "mpc") -> None:
-        super().__init__(name, guard)
+                 name: str = "mpc", order: QueueOrder = "deadline") -> None:
+        super().__init__(name, guard, order)
         self.config = config or MpcConfig()
         self.twin: Twin | None = None
         self._bound: Twin | None = None
@@ -207,7 +209,8 @@ class MpcController(GuardedController):
 
     @property
     def discipline(self) -> AdmissionDiscipline:
-        """The guard's KV budget, FIFO; unguarded (``guarded=false``), a plain vLLM server's."""
+        """The guard's KV budget in its order; unguarded (``guarded=false``), a plain vLLM
+        server's."""
         return super().discipline if self.config.guarded else PLAIN
 
     def on_reset(self, info: DeploymentInfo) -> None:
@@ -443,9 +446,12 @@ class MpcSettings(MpcConfig):
     """Settings of ``mpc``: the planner's knobs (:class:`MpcConfig`) and its guard.
 
     :param guard: the guard its candidates are checked behind and its actions pass.
+    :param order: the order of admission's queues (its rollouts use it too); ignored
+        unguarded, where admission is a plain vLLM server's.
     """
 
     guard: GuardConfig = GuardConfig()  # noqa: RUF009 (frozen, compared by value)
+    order: QueueOrder = "deadline"
 
 
 def mpc_factory(arg: str, settings: Mapping[str, Any]) -> MpcController:
@@ -458,4 +464,4 @@ def mpc_factory(arg: str, settings: Mapping[str, Any]) -> MpcController:
         raise ValueError(f"mpc takes settings in brackets, e.g. mpc[horizon_s=60]; got "
                          f"mpc:{arg}")
     cfg = apply(MpcSettings(), settings)
-    return MpcController(cfg, cfg.guard)
+    return MpcController(cfg, cfg.guard, order=cfg.order)

@@ -36,7 +36,7 @@ from rlbatch.control.guard import GuardConfig
 from rlbatch.control.guard_record import guard_from_record, record_mismatch
 from rlbatch.control.hold_release import DEFAULT_RELEASE, HoldRelease
 from rlbatch.control.observation import ObservationBuilder
-from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats
+from rlbatch.control.types import SLA, ControlAction, DeploymentInfo, DeploymentStats
 from rlbatch.settings import apply
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,27 @@ def guard_warnings(artifact: PolicyArtifact, config: GuardConfig) -> list[str]:
         return ["the artifact does not record the guard it was trained behind (written "
                 "before guard records): its figures hold only behind that guard"]
     return record_mismatch(record, config)
+
+
+def check_trained_sla(meta: Mapping[str, Any], sla: SLA) -> None:
+    """Refuse an SLA outside the ranges the policy was trained under.
+
+    A policy that reads the SLA (observation version 5) records the ranges it was trained
+    over (``sla_ttft_s``, ``sla_tpot_s``: ``[low, high]``); one trained under one SLA records
+    that SLA as both ends. Artifacts from before the record serve any SLA, as they did.
+
+    :raises ArtifactError: the SLA is outside a recorded range.
+    """
+    for name, value in (("sla_ttft_s", sla.ttft_s), ("sla_tpot_s", sla.tpot_s)):
+        if name not in meta:
+            continue
+        low, high = (float(x) for x in meta[name])
+        if not low * (1 - 1e-9) <= value <= high * (1 + 1e-9):
+            raise ArtifactError(
+                f"the SLA's {name.removeprefix('sla_').replace('_s', '').upper()} limit "
+                f"{value:g} s is outside the range this policy was trained under "
+                f"({low:g}-{high:g} s); serve it within that range or train one for this SLA "
+                f"(train.py --train-sla-ttft-s / --train-sla-tpot-s)")
 
 
 class PpoController(GuardedController):
@@ -103,6 +124,7 @@ class PpoController(GuardedController):
         if list(info.buckets.edges) != [int(e) for e in meta["bucket_edges"]]:
             raise ArtifactError(f"policy was trained on bucket edges {meta['bucket_edges']}, "
                                 f"the deployment uses {list(info.buckets.edges)}")
+        check_trained_sla(meta, info.sla)
         if list(info.pool_names) != list(meta["pools"]):
             raise ArtifactError(f"policy was trained on pools {meta['pools']}, the deployment "
                                 f"has {list(info.pool_names)}")

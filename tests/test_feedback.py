@@ -18,7 +18,7 @@ from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.serving.run import run
 from rlbatch.workload.lengths import code_completion_mix
 from rlbatch.workload.spec import resolve_workload
-from tests.factories import deployment_stats, engine_stats, window
+from tests.factories import deployment_stats, engine_stats, record, window
 
 INFO = DeploymentInfo(buckets=Buckets(), pools={"fp16": 1}, gpu="a100-80g", model="llama-2-7b",
                       default_max_num_seqs=256, max_num_batched_tokens=2048,
@@ -35,7 +35,10 @@ def _stats(t: float, *, tpot: float = math.nan, ttft: float = math.nan,
 
 
 def _controller(**settings: object) -> GradientController:
-    controller = GradientController(GradientSettings(**settings))  # type: ignore[arg-type]
+    # the arithmetic below is written for these constants, not for the tuned defaults
+    pinned: dict[str, object] = {"tpot_target": 0.9, "increase": 4, "cooldown_s": 5.0,
+                                 **settings}
+    controller = GradientController(GradientSettings(**pinned))  # type: ignore[arg-type]
     controller.reset(INFO)
     return controller
 
@@ -99,3 +102,33 @@ def test_the_code_mix_matches_the_published_medians() -> None:
     assert float(np.median(outputs)) == 13.0
     assert 24 <= float(outputs.mean()) <= 32  # published mean 28
     assert int((prompts + outputs).max()) <= 4096
+
+
+def _with_finished(stats: DeploymentStats, *, late: int, slow: int) -> DeploymentStats:
+    """``stats`` whose tick finished ``late`` requests past the TTFT limit and ``slow``
+    within it but over the TPOT limit."""
+    records = tuple(record(i, 0, ttft=3.0, tpot=0.05) for i in range(late)) + tuple(
+        record(100 + i, 0, ttft=0.5, tpot=0.2) for i in range(slow))
+    engine = replace(stats.engines[0], finished=records)
+    return replace(stats, engines=(engine,))
+
+
+def test_misses_signal_lowers_the_total_only_while_tpot_misses_outnumber_ttft_misses() -> None:
+    c = _controller(start_total=64, signal="misses", window_s=10.0, cooldown_s=0.0)
+    # the TPOT P99 is over its target, but the queue costs more requests: the total grows
+    assert c.propose(_with_finished(_stats(1.0, tpot=0.12, queued=3), late=5, slow=2)
+                     ).max_num_seqs == 68
+    # slow decoding now costs more (2 + 7 against 5 in the window): x0.75
+    assert c.propose(_with_finished(_stats(2.0, tpot=0.12, queued=3), late=0, slow=7)
+                     ).max_num_seqs == 51
+    # the p99 signal would have lowered it at the first tick already
+    p99 = _controller(start_total=64, cooldown_s=0.0)
+    assert p99.propose(_with_finished(_stats(1.0, tpot=0.12, queued=3), late=5, slow=2)
+                       ).max_num_seqs == 48
+    # the window forgets: 11 s later only the new tick counts
+    assert c.propose(_with_finished(_stats(13.0, tpot=0.12, queued=3), late=1, slow=0)
+                     ).max_num_seqs == 55
+    with pytest.raises(ValueError, match="signal"):
+        make_controller("gradient[signal=loud]")
+    with pytest.raises(ValueError, match="window_s"):
+        make_controller("gradient[window_s=0]")

@@ -328,6 +328,21 @@ def test_mpc_in_an_evaluation_through_make_controller() -> None:
     assert row["controller"] == "mpc[horizon_s=10,every_s=5]"
     assert row["mpc_decisions"] >= 6 and row["mpc_decision_ms_mean"] > 0
     assert row["completed"] + row["rejected"] + row["unfinished"] == row["submitted"] > 0
+    # the totals in force, tick by tick, are the ones it chose (through the guard)
+    ticks = row["max_num_seqs_ticks"]
+    assert sum(ticks.values()) > 30 and set(ticks) <= {str(t) for t in TOTAL_LADDER}
+
+
+@pytest.mark.parametrize(("spec", "order"), [
+    ("mpc", "deadline"), ("mpc[order=fifo]", "fifo"), ("mpc[order=deadline]", "deadline")])
+def test_mpc_plans_and_serves_in_its_order(spec: str, order: str) -> None:
+    mpc = make_controller(spec)
+    assert isinstance(mpc, MpcController)
+    assert mpc.order == order == mpc.discipline.order
+    assert make_controller(f"{spec[:-1]},guarded=false]" if "[" in spec
+                           else "mpc[guarded=false]").discipline.order == "fifo"
+    with pytest.raises(ValueError, match="order"):
+        make_controller("mpc[order=lifo]")
 
 
 def test_mpc_without_a_twin_or_known_profiles_holds_its_action() -> None:

@@ -13,6 +13,7 @@ from rlbatch.control.observation import (
     CLIP,
     GLOBAL_FEATURES,
     PER_BUCKET_FEATURES,
+    TRAFFIC_GLOBAL_FEATURES,
     ObservationBuilder,
     feature_names,
     observation_size,
@@ -171,3 +172,44 @@ def test_v4_does_not_see_the_action_in_force() -> None:
     rows4 = [_v3_and_v4([s])[1][-1] for s in (small, large)]
     assert not np.array_equal(*rows3)  # version 3 reads the caps...
     np.testing.assert_array_equal(*rows4)  # ...version 4 does not
+
+
+@settings(max_examples=40, deadline=None)
+@given(stats_seq=st.lists(random_deployment_stats(), min_size=1, max_size=4))
+def test_v5_is_v4_plus_the_traffic_and_the_sla(stats_seq: list[DeploymentStats]) -> None:
+    names4, names5 = feature_names(BUCKETS.names, 4), feature_names(BUCKETS.names, 5)
+    assert names5 == names4 + list(TRAFFIC_GLOBAL_FEATURES)
+    assert observation_size(len(BUCKETS), 5) == len(names5)
+    v4 = ObservationBuilder(_info_v3(2.0), max_cap=64, version=4)
+    v5 = ObservationBuilder(_info_v3(2.0), max_cap=64, version=5)
+    np.testing.assert_array_equal(v5.initial()[:len(names4)], v4.initial())
+    for stats in stats_seq:
+        o4, o5 = v4.build(stats, (0.0,) * 5), v5.build(stats, (0.0,) * 5)
+        assert o5.shape == (len(names5),)
+        np.testing.assert_array_equal(o5[:len(names4)], o4)
+        assert np.all(np.isfinite(o5)) and o5.min() >= 0.0 and o5.max() <= CLIP
+
+
+def test_v5_reads_prefill_share_output_length_and_the_sla() -> None:
+    names = feature_names(BUCKETS.names, 5)
+    sla = SLA(ttft_s=1.0, tpot_s=0.05)
+    info = _info_v3(2.0)
+    builder = ObservationBuilder(
+        DeploymentInfo(buckets=info.buckets, pools=info.pools, gpu="g", model="m",
+                       default_max_num_seqs=8, max_num_batched_tokens=256,
+                       num_kv_blocks=info.num_kv_blocks, block_size=16, max_model_len=512,
+                       tick_s=1.0, sla=sla, capacity_rps=2.0), max_cap=64, version=5)
+    first = builder.initial()
+    assert first[names.index("sla_ttft")] == np.float32(1.0 / 5.0)
+    assert first[names.index("sla_tpot")] == np.float32(0.05 / 0.15)
+    obs = first
+    for t in range(3):  # prefill-heavy: 900 prompt tokens per 100 output tokens
+        stats = deployment_stats((engine_stats(0, "fp16", prefill=900, decode=100, finished=(
+            record(t, 0, output_tokens=20),)),))
+        obs = builder.build(stats, (0.0,) * 5)
+    assert obs[names.index("prefill_share")] == pytest.approx(0.9)
+    assert obs[names.index("output_tokens")] == pytest.approx(math.log1p(20) / math.log1p(2048))
+    assert obs[names.index("sla_tpot")] == np.float32(0.05 / 0.15)
+    builder.reset()
+    stats = deployment_stats((engine_stats(0, "fp16", prefill=100, decode=900),))
+    assert builder.build(stats, (0.0,) * 5)[names.index("prefill_share")] == pytest.approx(0.1)

@@ -107,11 +107,11 @@ def test_weight_on_an_empty_pool_only_is_refused() -> None:
 
 
 def test_recipe_remixes_only_trace_slices_and_only_when_asked() -> None:
-    base = RecipeConfig(deployments=())
+    base = RecipeConfig(deployments=(), family_share=0.0)
     traces = [load_trace(t) for t in base.traces]
     plain = sample_episodes(base, np.random.default_rng(3), 12, traces)
     assert not any(w.name.endswith("~mix") for _, w in plain)
-    mixed = sample_episodes(RecipeConfig(deployments=(), mix_share=1.0),
+    mixed = sample_episodes(RecipeConfig(deployments=(), mix_share=1.0, family_share=0.0),
                             np.random.default_rng(3), 12, traces)
     slices = [w for _, w in mixed if w.name.startswith(traces[0].name)]
     assert slices and all(w.name.endswith("~mix") for w in slices)
@@ -146,7 +146,7 @@ def test_token_scale_keeps_that_many_times_the_slice_token_rate() -> None:
 
 
 def test_recipe_mix_load_raises_the_remixed_slices_load() -> None:
-    base = RecipeConfig(deployments=(), mix_share=1.0, generated_share=0.0)
+    base = RecipeConfig(deployments=(), mix_share=1.0, generated_share=0.0, family_share=0.0)
     traces = [load_trace(t) for t in base.traces]
     ratios = []
     for seed in range(6):

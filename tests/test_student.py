@@ -133,7 +133,7 @@ def test_student_artifact_serves_like_the_network(tmp_path: Path, obs_version: i
 
 def test_recipe_refuses_an_unknown_observation_version() -> None:
     with pytest.raises(ValueError, match="obs_version must be one of"):
-        RecipeConfig(obs_version=5)
+        RecipeConfig(obs_version=6)
 
 
 def _row(controller: str, trace: str, rate: float, goodput: float, sla: float,

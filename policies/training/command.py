@@ -129,6 +129,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token rate of a remixed slice, times the slice's own, drawn "
                         "log-uniformly (default 1: the slice's own; long-prompt-heavy traffic "
                         "such as Mooncake carries about twice that at its knee)")
+    g.add_argument("--family-share", type=float, default=r.family_share, metavar="P",
+                   help="share of workloads (teacher, DAgger, fine-tuning) drawn from the "
+                        "traffic families (chat, code completion, RAG, reports, and drifts "
+                        "between two of them: rlbatch/workload/families.py) instead of the "
+                        "training traces and scenarios")
+    g.add_argument("--family-loads", type=checked(positive_range),
+                   default=_csv(r.family_loads), metavar="LOW,HIGH",
+                   help="load of a family workload, in units of the family's knee, drawn "
+                        "log-uniformly")
+    g.add_argument("--train-sla-ttft-s", type=checked(positive_range),
+                   default=_csv(r.sla_ttft_s), metavar="LOW,HIGH",
+                   help="the SLA's TTFT limit of each teacher / DAgger workload, drawn "
+                        "log-uniformly (one value: every workload under it); with "
+                        "--obs-version 5 the student reads the SLA, and ppo:PATH refuses an SLA "
+                        "outside the trained ranges")
+    g.add_argument("--train-sla-tpot-s", type=checked(positive_range),
+                   default=_csv(r.sla_tpot_s), metavar="LOW,HIGH",
+                   help="the SLA's TPOT limit of each workload, as --train-sla-ttft-s")
     g.add_argument("--selection-knee", action="store_true",
                    help="select the checkpoint on validation windows at the rate scales where "
                         "the training traffic is contested on --gpu/--model/--pools (scanned "
@@ -201,7 +219,10 @@ def _recipe_config(args: argparse.Namespace, traces: tuple[str, ...],
                         decision_ticks=args.decision_ticks, epochs=args.epochs,
                         obs_version=args.obs_version, selection_knee=args.selection_knee,
                         mix_share=args.mix_share, selection_mixes=args.selection_mixes,
-                        mix_load=args.mix_load, obs_clip=args.obs_clip, labels=args.labels,
+                        mix_load=args.mix_load, family_share=args.family_share,
+                        family_loads=args.family_loads, sla_ttft_s=args.train_sla_ttft_s,
+                        sla_tpot_s=args.train_sla_tpot_s, obs_clip=args.obs_clip,
+                        labels=args.labels,
                         shares=args.shares, members=args.members,
                         finetune_steps=args.finetune_steps,
                         deployments=args.train_deployments,

@@ -11,7 +11,9 @@ import numpy as np
 
 from policies.evaluation.protocol import training_window
 from rlbatch.buckets import DEFAULT_EDGES
+from rlbatch.control.types import SLA
 from rlbatch.workload import Workload
+from rlbatch.workload.families import FAMILIES, drift, family_workload
 from rlbatch.workload.remix import remix_at_random
 from rlbatch.workload.scenarios import make_scenario, slice_trace
 
@@ -30,6 +32,10 @@ class EpisodeConfig(Protocol):
     generated_share: float
     mix_share: float
     mix_load: tuple[float, float]
+    family_share: float
+    family_loads: tuple[float, float]
+    sla_ttft_s: tuple[float, float]
+    sla_tpot_s: tuple[float, float]
 
     def train_deployments(self) -> list[tuple[str, str]]: ...
 
@@ -50,7 +56,9 @@ def sample_episodes(cfg: EpisodeConfig, rng: np.random.Generator, n: int,
     from ``cfg.train_deployments()`` (no draw with one deployment) and scaled to its knee.
     A share ``cfg.mix_share`` of the slices gets a redrawn length mix
     (:func:`rlbatch.workload.remix.remix_at_random`) at ``cfg.mix_load`` times the slice's
-    token rate (log-uniform; drawn only when the range is not one value).
+    token rate (log-uniform; drawn only when the range is not one value). A share
+    ``cfg.family_share`` of all episodes is a traffic family instead
+    (:func:`family_episode`).
 
     :param traces: ``cfg.traces`` loaded, in order.
     """
@@ -59,6 +67,10 @@ def sample_episodes(cfg: EpisodeConfig, rng: np.random.Generator, n: int,
     for _ in range(n):
         deployment = int(rng.integers(n_dep)) if n_dep > 1 else 0
         multiplier = cfg.multiplier(deployment)
+        # drawn only when asked, so that recipes without families keep their draws
+        if cfg.family_share > 0 and rng.random() < cfg.family_share:
+            out.append((deployment, family_episode(cfg, rng, multiplier)))
+            continue
         if not traces or rng.random() < cfg.generated_share:
             kind = ("bursty", "diurnal", "night", "day")[int(rng.integers(4))]
             load = float(np.exp(rng.uniform(np.log(0.8), np.log(2.0))))
@@ -82,6 +94,44 @@ def sample_episodes(cfg: EpisodeConfig, rng: np.random.Generator, n: int,
                                        token_scale=load)
         out.append((deployment, workload))
     return out
+
+
+def draws_slas(cfg: EpisodeConfig) -> bool:
+    """Whether the recipe draws an SLA per workload (either range is not one value)."""
+    return cfg.sla_ttft_s[0] < cfg.sla_ttft_s[1] or cfg.sla_tpot_s[0] < cfg.sla_tpot_s[1]
+
+
+def sample_slas(cfg: EpisodeConfig, rng: np.random.Generator, n: int) -> list[SLA]:
+    """One SLA per workload, TTFT and TPOT log-uniform in their ranges (nothing drawn when
+    both ranges are one value, so that recipes with one SLA keep their draws)."""
+    if not draws_slas(cfg):
+        return [SLA(cfg.sla_ttft_s[0], cfg.sla_tpot_s[0])] * n
+
+    def draw(lo: float, hi: float) -> float:
+        return float(np.exp(rng.uniform(np.log(lo), np.log(hi)))) if hi > lo else lo
+
+    return [SLA(draw(*cfg.sla_ttft_s), draw(*cfg.sla_tpot_s)) for _ in range(n)]
+
+
+TRAINING_FAMILIES = (*FAMILIES, "drift")
+
+
+def family_episode(cfg: EpisodeConfig, rng: np.random.Generator, multiplier: float
+                   ) -> Workload:
+    """A traffic family (:mod:`rlbatch.workload.families`), drawn uniformly with ``drift``
+    (two distinct families in turn, half the episode each), at a load log-uniform in
+    ``cfg.family_loads`` (units of the family's knee on the first deployment) times the
+    deployment's multiplier; its seed is drawn from ``rng``."""
+    family = TRAINING_FAMILIES[int(rng.integers(len(TRAINING_FAMILIES)))]
+    low, high = cfg.family_loads
+    load = float(np.exp(rng.uniform(np.log(low), np.log(high)))) * multiplier
+    seed = int(rng.integers(2**31))
+    if family == "drift":
+        names = list(FAMILIES)
+        first = names.pop(int(rng.integers(len(names))))
+        second = names[int(rng.integers(len(names)))]
+        return drift((first, second), load, cfg.episode_s, cfg.episode_s / 2, seed)
+    return family_workload(family, load, cfg.episode_s, seed)
 
 
 def drawer(cfg: EpisodeConfig, rng: np.random.Generator,

@@ -42,7 +42,13 @@ from policies.training.distill import (
     collect,
     fit_policy,
 )
-from policies.training.episodes import Episode, drawer, sample_episodes
+from policies.training.episodes import (
+    Episode,
+    drawer,
+    draws_slas,
+    sample_episodes,
+    sample_slas,
+)
 from policies.training.finetune import FinetuneConfig, finetune_many, recipe_env_kwargs
 from policies.training.ppo_trainer import eval_score, export_actor
 from policies.training.selection import validation_statics
@@ -52,6 +58,7 @@ from rlbatch.control.discipline import PPO_QUEUE_ORDER
 from rlbatch.control.guard import GuardConfig
 from rlbatch.control.guard_record import guard_record
 from rlbatch.control.observation import OBS_VERSIONS, feature_names, observation_size
+from rlbatch.control.types import SLA
 from rlbatch.engine.config import parse_pools
 from rlbatch.paths import default_training_traces
 from rlbatch.profiles.specs import load_gpu, load_model
@@ -84,6 +91,16 @@ class RecipeConfig:
         so the student sees long-prompt-heavy states that its training traffic lacks.
     :param mix_load: range of a remixed slice's token rate, times its own (log-uniform):
         Mooncake at its knee carries about twice the 4k+ load of token-rate-matched mixes.
+    :param family_share: share of workloads drawn from the traffic families instead
+        (:func:`policies.training.episodes.family_episode`: chat, code completion, RAG,
+        reports and drifts between them), so the student meets traffic where another total
+        is right than on its training traces.
+    :param family_loads: range of a family workload's load, in units of the family's knee
+        (log-uniform).
+    :param sla_ttft_s: range of the SLA's TTFT limit a workload is served under (log-uniform
+        per workload; one value: every workload under it). With observation version 5 the
+        SLA is an input of the student, so one policy serves any SLA within these ranges.
+    :param sla_tpot_s: range of the SLA's TPOT limit, as ``sla_ttft_s``.
     :param dagger_rounds: DAgger rounds after behaviour cloning.
     :param dagger_episodes: workloads per DAgger round.
     :param decision_ticks: ticks between two student decisions (held in between).
@@ -142,10 +159,14 @@ class RecipeConfig:
     generated_share: float = 0.25
     mix_share: float = 0.0
     mix_load: tuple[float, float] = (1.0, 1.0)
+    family_share: float = 0.5
+    family_loads: tuple[float, float] = (0.7, 1.3)
+    sla_ttft_s: tuple[float, float] = (0.5, 5.0)
+    sla_tpot_s: tuple[float, float] = (0.025, 0.15)
     dagger_rounds: int = 2
     dagger_episodes: int = 12
     decision_ticks: int = 5
-    obs_version: int = 3
+    obs_version: int = 5
     net_arch: tuple[int, ...] = (64, 64)
     epochs: int = 60
     learning_rate: float = 3e-3
@@ -179,7 +200,13 @@ class RecipeConfig:
         self.shares = tuple(float(s) for s in self.shares)
         if not 0 < self.mix_load[0] <= self.mix_load[1]:
             raise ValueError(f"mix_load must be 0 < low <= high, got {self.mix_load}")
-        for name in ("knee_share", "generated_share", "mix_share"):
+        for name in ("sla_ttft_s", "sla_tpot_s"):
+            low, high = getattr(self, name)
+            if not 0 < low <= high:
+                raise ValueError(f"{name} must be 0 < low <= high, got {(low, high)}")
+        if not 0 < self.family_loads[0] <= self.family_loads[1]:
+            raise ValueError(f"family_loads must be 0 < low <= high, got {self.family_loads}")
+        for name in ("knee_share", "generated_share", "mix_share", "family_share"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         self.deployments = tuple(self.deployments)
@@ -264,16 +291,17 @@ def make_labeller(cfg: RecipeConfig, codec: TotalShareCodec,
                                max(codec.totals), cfg.decision_ticks, actor, cfg.labels)
 
 
-def _episode_task(item: tuple[int, RecipeConfig, str | None, int], workload: Workload
-                  ) -> tuple[Demonstrations, list[dict[str, Any]]]:
+def _episode_task(item: tuple[int, RecipeConfig, str | None, int, SLA | None],
+                  workload: Workload) -> tuple[Demonstrations, list[dict[str, Any]]]:
     # One teacher / DAgger episode on a Ray worker: a fresh labeller (the teacher resets
     # fully every run, so this equals the one labeller the serial loop reuses).
-    _, cfg, student, deployment = item
+    _, cfg, student, deployment, sla = item
     # the student acts as it is served (its queue order); the teacher labels the caps
     actor = None if student is None else PpoController(load_artifact(Path(student)),
                                                        name="student", order=PPO_QUEUE_ORDER)
+    spec = cfg.spec(deployment)
     return collect(make_labeller(cfg, cfg.student_codec(), actor), [workload],
-                   cfg.spec(deployment))
+                   spec if sla is None else replace(spec, sla=sla))
 
 
 def build_student(cfg: RecipeConfig, codec: TotalShareCodec, obs_size: int) -> Any:
@@ -307,6 +335,9 @@ def export_student(policy: Any, cfg: RecipeConfig, codec: TotalShareCodec, path:
         "recipe": "mpc teacher -> behaviour cloning -> DAgger -> PPO fine-tuning -> selection",
         # the student acts behind the guard ppo:PATH builds from its ladder (artifact_guard)
         "guard": guard_record(GuardConfig(ladder=tuple(codec.totals))),
+        # a student that reads the SLA serves the SLAs it was trained under (check_trained_sla)
+        **({"sla_ttft_s": list(cfg.sla_ttft_s), "sla_tpot_s": list(cfg.sla_tpot_s)}
+           if cfg.obs_version >= 5 else {}),
         **(extra or {}),
     })
 
@@ -344,7 +375,8 @@ class Recipe:
     def labeller(self, actor: Any = None) -> LabellingController:
         return make_labeller(self.cfg, self.codec, actor)
 
-    def collect(self, episodes: Sequence[Episode], student: Path | None = None
+    def collect(self, episodes: Sequence[Episode], student: Path | None = None,
+                slas: Sequence[SLA] | None = None
                 ) -> tuple[Demonstrations, list[dict[str, Any]]]:
         """Run the teacher (or the student at ``student``, the teacher labelling) over the
         episodes, each on its deployment: here, or one Ray task per episode (workloads
@@ -357,14 +389,15 @@ class Recipe:
                      else PpoController(load_artifact(student), name="student",
                                         order=PPO_QUEUE_ORDER))
             labeller = self.labeller(actor)
-            parts = [collect(labeller, [w], self.specs[d]) for d, w in episodes]
+            parts = [collect(labeller, [w], self._spec(d, slas, i))
+                     for i, (d, w) in enumerate(episodes)]
             return (Demonstrations.concat([demos for demos, _ in parts]),
                     [row for _, rows in parts for row in rows])
         from rlbatch.scale import connect, failed, run_tasks
 
         connect(self.ray)
-        items = [(i, self.cfg, None if student is None else str(student), d)
-                 for i, (d, _) in enumerate(episodes)]
+        items = [(i, self.cfg, None if student is None else str(student), d,
+                  None if slas is None else slas[i]) for i, (d, _) in enumerate(episodes)]
         workloads = {i: w for i, (_, w) in enumerate(episodes)}
         results = run_tasks(_episode_task, items, shared=workloads,
                             shared_key=lambda item: item[0],
@@ -376,10 +409,20 @@ class Recipe:
         return (Demonstrations.concat([d for d, _ in done]),
                 [row for _, rows in done for row in rows])
 
+    def _spec(self, deployment: int, slas: Sequence[SLA] | None, i: int) -> DeploymentSpec:
+        spec = self.specs[deployment]
+        return spec if slas is None else replace(spec, sla=slas[i])
+
+    def episodes(self, n: int) -> tuple[list[Episode], list[SLA] | None]:
+        """``n`` workloads and, when the recipe draws SLAs, the SLA of each."""
+        episodes = sample_episodes(self.cfg, self.rng, n, self.traces)
+        slas = sample_slas(self.cfg, self.rng, n) if draws_slas(self.cfg) else None
+        return episodes, slas
+
     def teacher_data(self) -> list[dict[str, Any]]:
         """Phase 1: the teacher drives; returns its run rows."""
-        episodes = sample_episodes(self.cfg, self.rng, self.cfg.episodes, self.traces)
-        demos, rows = self.collect(episodes)
+        episodes, slas = self.episodes(self.cfg.episodes)
+        demos, rows = self.collect(episodes, slas=slas)
         self.demos.append(demos)
         for i, row in enumerate(rows):
             self.log("teacher/goodput_rps", float(row["goodput_rps"] or 0.0), i)
@@ -408,9 +451,8 @@ class Recipe:
 
     def dagger_round(self, artifact: Path, round_: int) -> list[dict[str, Any]]:
         """Phase 3: the student (behind its guard) drives, the teacher labels."""
-        episodes = sample_episodes(self.cfg, self.rng, self.cfg.dagger_episodes,
-                                   self.traces)
-        demos, rows = self.collect(episodes, student=artifact)
+        episodes, slas = self.episodes(self.cfg.dagger_episodes)
+        demos, rows = self.collect(episodes, student=artifact, slas=slas)
         self.demos.append(demos)
         for i, row in enumerate(rows):
             self.log("dagger/student_goodput_rps", float(row["goodput_rps"] or 0.0),

@@ -16,6 +16,7 @@ from rlbatch.control.controllers import make_controller
 from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.serving.run import run
 from rlbatch.workload import Workload, load_trace
+from rlbatch.workload.families import FAMILIES, drift, family_workload
 from rlbatch.workload.remix import length_pools, remix
 
 
@@ -29,6 +30,8 @@ class SelectionConfig(Protocol):
     selection_rates: tuple[float, ...]
     selection_knee: bool
     selection_mixes: bool
+    family_share: float
+    episode_s: float
 
     def train_deployments(self) -> list[tuple[str, str]]: ...
 
@@ -103,6 +106,27 @@ def validation_workloads(cfg: SelectionConfig,
     return out
 
 
+FAMILY_WINDOW_SEED = 101
+"""Seed of the family validation windows (not one the family judge uses)."""
+FAMILY_STATICS: tuple[str, ...] = tuple(f"static:{n}" for n in (4, 8, 16, 32, 64, 128, 256))
+"""A family window's best static is taken from the whole ladder: on code completion it is a
+small one."""
+
+
+def family_windows(cfg: SelectionConfig) -> list[tuple[str, int, Workload]]:
+    """With ``family_share``: each traffic family, and a drift from code completion to chat,
+    at its knee on the first deployment (seed :data:`FAMILY_WINDOW_SEED`), so that selection
+    prefers a checkpoint that reads the traffic."""
+    if cfg.family_share <= 0:
+        return []
+    load = cfg.multiplier(0)
+    out = [(f"family {name}", 0, family_workload(name, load, cfg.episode_s,
+                                                  FAMILY_WINDOW_SEED)) for name in FAMILIES]
+    out.append(("family drift", 0, drift(("code", "chat"), load, 2 * cfg.episode_s,
+                                         cfg.episode_s, FAMILY_WINDOW_SEED)))
+    return out
+
+
 MIXED_WINDOW_SEED = 0
 """The draws of the mixed validation window are fixed: every checkpoint of every run meets
 the same requests."""
@@ -149,4 +173,7 @@ def validation_statics(cfg: SelectionConfig, specs: Sequence[DeploymentSpec],
     statics = {name: (next(scanned) if knee is not None and d == 0 else
                       [run(w, make_controller(s), specs[d]).row for s in SELECTION_STATICS])
                for name, d, w in validation}
+    for name, d, w in family_windows(cfg):
+        validation.append((name, d, w))
+        statics[name] = [run(w, make_controller(s), specs[d]).row for s in FAMILY_STATICS]
     return validation, statics, knee

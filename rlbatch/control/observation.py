@@ -59,12 +59,29 @@ CAPACITY_GLOBAL_FEATURES: tuple[str, ...] = (
     "capacity",          # log1p(reference capacity, requests per s) / log1p(100)
     "kv_reference_seqs",  # reference requests one engine's KV pool holds / TOTAL_NORM
 )
-OBS_VERSIONS: tuple[int, ...] = (1, 2, 3, 4)
+TRAFFIC_GLOBAL_FEATURES: tuple[str, ...] = (
+    "prefill_share",     # smoothed prompt tokens / (prompt + output tokens) computed
+    "output_tokens",     # log1p(smoothed mean output tokens of finished requests) / log1p(2048)
+    "ttft_p99_all",      # window TTFT P99, all buckets / SLA TTFT
+    "tpot_p99_all",      # window TPOT P99, all buckets / SLA TPOT
+    "busy",              # engine time in iterations / tick, mean over engines
+    "sla_ttft",          # the SLA's TTFT / 5 s
+    "sla_tpot",          # the SLA's TPOT / 0.15 s
+)
+"""What kind of traffic is served and against which SLA (version 5): a prefill-heavy stream
+(code completion: long prompts, a few output tokens) slows every decode step of a big batch,
+a decode-heavy one (chat) needs the batch; the SLA itself is an input, so one policy serves
+any SLA within its trained range."""
+SLA_TTFT_NORM_S = 5.0
+SLA_TPOT_NORM_S = 0.15
+OUTPUT_TOKENS_NORM = 2048.0
+OBS_VERSIONS: tuple[int, ...] = (1, 2, 3, 4, 5)
 """1: the snapshot features; 2: plus trends (smoothed rates, queue growth, totals), which
 need state across ticks; 3: version 2's features with every rate, queue and throughput in
 units of the deployment's reference capacity (:mod:`rlbatch.profiles.capacity`) instead of
 absolute, plus the capacity itself, so that one policy reads load the same way on every
-GPU and model; 4: version 3 without the action in force (:data:`ACTION_FEATURES`)."""
+GPU and model; 4: version 3 without the action in force (:data:`ACTION_FEATURES`); 5:
+version 4 plus :data:`TRAFFIC_GLOBAL_FEATURES` (the traffic's kind and the SLA)."""
 ACTION_FEATURES: tuple[str, ...] = ("cap", "pool", "total_cap")
 """Features that restate the action in force (per bucket ``cap`` and ``pool``, and the
 ``total_cap``), which version 4 leaves out. A student cloned from a teacher whose actions
@@ -81,6 +98,8 @@ def _restates_action(name: str) -> bool:
 
 
 def observation_size(num_buckets: int, version: int = 1) -> int:
+    if version >= 5:
+        return observation_size(num_buckets, 4) + len(TRAFFIC_GLOBAL_FEATURES)
     if version >= 4:
         n_per_bucket = sum(f in ACTION_FEATURES for f in PER_BUCKET_FEATURES)
         n_global = sum(f in ACTION_FEATURES for f in (*GLOBAL_FEATURES, *TREND_GLOBAL_FEATURES))
@@ -95,6 +114,8 @@ def observation_size(num_buckets: int, version: int = 1) -> int:
 
 def feature_names(bucket_names: tuple[str, ...], version: int = 1) -> list[str]:
     """Name of every observation index, in order."""
+    if version >= 5:
+        return feature_names(bucket_names, 4) + list(TRAFFIC_GLOBAL_FEATURES)
     if version >= 4:
         return [n for n in feature_names(bucket_names, 3) if not _restates_action(n)]
     names = [f"{b}/{f}" for b in bucket_names for f in PER_BUCKET_FEATURES]
@@ -159,7 +180,8 @@ class ObservationBuilder:
         n_b = len(self.info.buckets)
         self._trend.clear()
         self._trend.update(arrivals=[0.0] * n_b, departures=[0.0] * n_b,
-                           growth=[0.0] * n_b, queued=[0.0] * n_b, doomed=[0.0])
+                           growth=[0.0] * n_b, queued=[0.0] * n_b, doomed=[0.0],
+                           prefill=[0.0], decode=[0.0], outputs=[0.0], finished=[0.0])
 
     def initial(self) -> np.ndarray:
         """Observation before the first tick: idle deployment, nothing measured."""
@@ -175,7 +197,13 @@ class ObservationBuilder:
             obs[t0 + TREND_GLOBAL_FEATURES.index("total_cap")] = min(total / TOTAL_NORM, CLIP)
         if self.version >= 3:
             obs[-len(CAPACITY_GLOBAL_FEATURES):] = self._capacity
-        return obs if self._keep is None else obs[self._keep]
+        obs = obs if self._keep is None else obs[self._keep]
+        if self.version >= 5:
+            sla = self.info.sla
+            traffic = [0.0] * len(TRAFFIC_GLOBAL_FEATURES)
+            traffic[-2:] = [sla.ttft_s / SLA_TTFT_NORM_S, sla.tpot_s / SLA_TPOT_NORM_S]
+            obs = np.concatenate([obs, np.clip(traffic, 0.0, CLIP).astype(np.float32)])
+        return obs
 
     def _rate(self, per_s: float) -> float:
         """A rate as a feature: absolute (log-scaled) before version 3, else a fraction of the
@@ -229,6 +257,9 @@ class ObservationBuilder:
             out.extend(self._trends(stats, tick))
         if self.version >= 3:
             out.extend(self._capacity)
+        n_kept = len(out)
+        if self.version >= 5:
+            out.extend(self._traffic(stats, tick))
         raw = np.array(out, dtype=np.float64)
         # Memory readings that are not numbers must not look like an empty cache.
         g = n_b * len(PER_BUCKET_FEATURES)
@@ -236,7 +267,29 @@ class ObservationBuilder:
         memory[np.isnan(memory)] = 1.0
         np.nan_to_num(raw, copy=False, nan=0.0, posinf=CLIP, neginf=0.0)
         obs = np.clip(raw, 0.0, CLIP).astype(np.float32)
-        return obs if self._keep is None else obs[self._keep]
+        if self._keep is None:
+            return obs
+        return np.concatenate([obs[:n_kept][self._keep], obs[n_kept:]])
+
+    def _traffic(self, stats: DeploymentStats, tick: float) -> list[float]:
+        tr = self._trend
+        alpha = 1.0 - math.exp(-tick / TREND_TAU_S)
+        tr["prefill"][0] += alpha * (max(stats.prefill_tokens, 0) / tick - tr["prefill"][0])
+        tr["decode"][0] += alpha * (max(stats.decode_tokens, 0) / tick - tr["decode"][0])
+        finished = [rec for rec in stats.finished if not rec.rejected]
+        tr["finished"][0] += alpha * (len(finished) / tick - tr["finished"][0])
+        tr["outputs"][0] += alpha * (sum(r.output_tokens for r in finished) / tick
+                                     - tr["outputs"][0])
+        computed = tr["prefill"][0] + tr["decode"][0]
+        mean_output = tr["outputs"][0] / tr["finished"][0] if tr["finished"][0] > 1e-9 else 0.0
+        busy = [min(es.busy_s / tick, 1.0) for es in stats.engines]
+        sla = self.info.sla
+        return [tr["prefill"][0] / computed if computed > 1e-9 else 0.0,
+                math.log1p(mean_output) / math.log1p(OUTPUT_TOKENS_NORM),
+                stats.window.ttft_p99_all_s / sla.ttft_s,
+                stats.window.tpot_p99_all_s / sla.tpot_s,
+                sum(busy) / len(busy) if busy else 0.0,
+                sla.ttft_s / SLA_TTFT_NORM_S, sla.tpot_s / SLA_TPOT_NORM_S]
 
     def _trends(self, stats: DeploymentStats, tick: float) -> list[float]:
         tr = self._trend

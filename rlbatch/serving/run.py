@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gc
+import math
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -89,6 +91,9 @@ def run(
     deployment = build_deployment(spec)
     if can_fork(deployment):
         controller.bind(DeploymentTwin(deployment))
+    # how long each total (max_num_seqs, as the guard let it through) was in force: whether
+    # a controller reads the traffic shows as totals that move between workloads
+    totals: Counter[int | None] = Counter()
     loop = ControlLoop(deployment, workload.requests, controller.reset(deployment.info),
                        discipline=controller.discipline, window_s=window_s, drain_s=drain_s)
     try:
@@ -99,7 +104,9 @@ def run(
                     on_tick(stats)
                 if loop.finished:
                     break
-                loop.apply(controller.decide(stats))
+                action = controller.decide(stats)
+                totals[action.max_num_seqs] += 1
+                loop.apply(action)
     finally:
         deployment.close()
     info = deployment.info
@@ -113,7 +120,25 @@ def run(
     }
     row.update(loop.summary())
     row["guard_overrides"] = controller.guard_overrides_total
+    row["max_num_seqs_ticks"] = {("none" if k is None else str(k)): n
+                                 for k, n in sorted(totals.items(), key=_total_order)}
+    row["max_num_seqs_median"] = _median_total(totals)
     row.update(controller.row_extras())
     row["wall_seconds"] = time.perf_counter() - wall_start
     row["speedup_x"] = row["sim_seconds"] / row["wall_seconds"] if row["wall_seconds"] > 0 else 0.0
     return RunResult(row=row, records=loop.records)
+
+
+def _total_order(item: tuple[int | None, int]) -> float:
+    return math.inf if item[0] is None else float(item[0])
+
+
+def _median_total(totals: Counter[int | None]) -> float:
+    """The total in force half the ticks were at or under (``inf``: no limit; NaN: none)."""
+    ticks = sum(totals.values())
+    seen = 0
+    for total, n in sorted(totals.items(), key=_total_order):
+        seen += n
+        if 2 * seen >= ticks:
+            return math.inf if total is None else float(total)
+    return math.nan

@@ -247,7 +247,9 @@ def roll_out(twin: Deployment, action: ControlAction, start_s: float,
 def replay(observed: Sequence[Request], now_s: float, window_s: float,
            horizon_s: float) -> list[Request]:
     """The arrivals of the last ``window_s`` seconds shifted forward past ``now_s``, tiled to
-    fill ``horizon_s`` (the traffic assumed to continue as it just was).
+    fill ``horizon_s`` (the traffic assumed to continue as it just was, prompt prefixes
+    included: RAG traffic that shares documents keeps sharing them, so the twin's prefix
+    cache serves the replay as the engine serves the traffic).
 
     :param observed: the arrivals seen in ``[now_s - window_s, now_s]``.
     :param now_s: the present.
@@ -263,6 +265,7 @@ def replay(observed: Sequence[Request], now_s: float, window_s: float,
         for r in observed:
             t = r.arrival_s + shift
             if now_s < t <= now_s + horizon_s:
-                out.append(Request(len(out), t, r.prompt_tokens, r.max_output_tokens))
+                out.append(Request(len(out), t, r.prompt_tokens, r.max_output_tokens,
+                                   r.prefix_ids, r.max_tokens))
     out.sort(key=lambda r: r.arrival_s)
     return out

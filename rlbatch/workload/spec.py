@@ -6,17 +6,22 @@ Valid forms::
     poisson:rate=R,duration=D[,mix=M]
     bursty:rate=R,duration=D[,mix=M][,burst=F][,on=S][,off=S]
     diurnal:rate=R,duration=D[,mix=M][,period=S][,amplitude=A]
+    F:load=X,duration=D  (or rate=R)        a traffic family (rlbatch.workload.families)
+    drift:families=F/F...,load=X,duration=D[,segment=S]
 
-with ``M`` one of ``day``, ``night``, ``azure-like`` (default).
+with ``M`` one of ``day``, ``night``, ``azure-like`` (default), ``code``, ``chat``,
+``report``, and ``F`` one of ``chat``, ``code``, ``rag``, ``report``.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
 
 from rlbatch.workload.base import Workload
+from rlbatch.workload.families import FAMILIES, chat_mix, drift, report_mix
 from rlbatch.workload.generators import bursty, diurnal, poisson
 from rlbatch.workload.lengths import (
     LengthDist,
@@ -29,7 +34,7 @@ from rlbatch.workload.traces import load_trace
 
 MIXES: dict[str, Callable[[], LengthDist]] = {
     "day": day_mix, "night": night_mix, "azure-like": azure_like_mix,
-    "code": code_completion_mix}
+    "code": code_completion_mix, "chat": chat_mix, "report": report_mix}
 
 #: Generator name -> optional keys beyond rate, duration and mix.
 GENERATOR_KEYS: dict[str, tuple[str, ...]] = {
@@ -40,7 +45,9 @@ VALID_FORMS = (
     "poisson:rate=R,duration=D[,mix=M]; "
     "bursty:rate=R,duration=D[,mix=M][,burst=F][,on=S][,off=S]; "
     "diurnal:rate=R,duration=D[,mix=M][,period=S][,amplitude=A]; "
-    f"M in {'|'.join(MIXES)} (default azure-like)")
+    "F:load=X,duration=D (or rate=R req/s); "
+    "drift:families=F/F...,load=X,duration=D[,segment=S]; "
+    f"M in {'|'.join(MIXES)} (default azure-like); F in {'|'.join(FAMILIES)}")
 
 _SPEC = re.compile(r"([A-Za-z][\w-]*):(.*)")
 
@@ -56,6 +63,9 @@ def resolve_workload(spec: str, seed: int = 0, *, rate_scale: float = 1.0) -> Wo
     :raises FileNotFoundError: for a path that does not exist (the message lists the forms).
     """
     match = _SPEC.fullmatch(spec.strip())
+    if match is not None and (match.group(1).lower() in FAMILIES
+                              or match.group(1).lower() == "drift"):
+        return _family(match.group(1).lower(), match.group(2), spec, seed, rate_scale)
     if match is not None and match.group(1).lower() in GENERATOR_KEYS:
         return _generate(match.group(1).lower(), match.group(2), spec, seed, rate_scale)
     path = Path(spec)
@@ -91,6 +101,39 @@ def _generate(kind: str, body: str, spec: str, seed: int, rate_scale: float) -> 
                       mean_on_s=numbers.get("on", 10.0), mean_off_s=numbers.get("off", 30.0))
     return diurnal(rate, duration, lengths, seed, period_s=numbers.get("period"),
                    amplitude=numbers.get("amplitude", 0.5))
+
+
+def _family(kind: str, body: str, spec: str, seed: int, rate_scale: float) -> Workload:
+    params = _parse_params(body, spec)
+    allowed = (("families", "load", "duration", "segment") if kind == "drift"
+               else ("load", "rate", "duration"))
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        raise ValueError(f"{spec!r}: unknown key(s) {', '.join(unknown)} for {kind}; allowed: "
+                         f"{', '.join(allowed)}; valid forms: {VALID_FORMS}")
+    needed = ("families", "load", "duration") if kind == "drift" else ("duration",)
+    missing = [key for key in needed if key not in params]
+    if kind != "drift" and ("load" in params) == ("rate" in params):
+        missing.append("exactly one of load and rate")
+    if missing:
+        raise ValueError(f"{spec!r}: missing {' and '.join(missing)}; valid forms: "
+                         f"{VALID_FORMS}")
+    names = tuple(n.strip().lower() for n in params.pop("families", "").split("/") if n)
+    for name in names:
+        if name not in FAMILIES:
+            raise ValueError(f"{spec!r}: unknown family {name!r}; choose from "
+                             f"{', '.join(FAMILIES)}")
+    numbers = {key: _number(key, value, spec) for key, value in params.items()}
+    for key, value in numbers.items():
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{spec!r}: {key} must be a finite number > 0, got {value:g}")
+    duration = numbers["duration"]
+    if kind == "drift":
+        return drift(names, numbers["load"] * rate_scale, duration,
+                     numbers.get("segment", duration / 2), seed)
+    family = FAMILIES[kind]
+    rate = numbers["rate"] if "rate" in numbers else numbers["load"] * family.reference_rps
+    return family.make(rate * rate_scale, duration, seed)
 
 
 def _parse_params(body: str, spec: str) -> dict[str, str]:

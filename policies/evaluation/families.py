@@ -1,0 +1,315 @@
+"""Judge controllers per traffic family: does the controller read the traffic?
+
+For every family of :mod:`rlbatch.workload.families` (and a drift between code completion and
+chat) at loads around its knee, on validation seeds no recipe draws, every candidate runs
+beside the static caps 4-256 and the constant totals in deadline order
+(``fixed:N[order=deadline]``, N on the same ladder). Per family, over the contested runs (the
+hindsight-best static meets the SLA for 20-95%):
+
+* goodput against the hindsight-best static (geo-mean and worst run), against ``mpc`` and the
+  hand-built adaptive rule (``gradient``) when they are among the candidates;
+* against **the best constant controller**: the ``fixed:N[order=deadline]`` with the best mean
+  goodput over the training seeds' runs of every family (N picked on training traffic, one N
+  for the deployment), and the hindsight-best constant of each run;
+* buckets more than 5 points under the best static's SLA attainment, KV overflows, and the
+  FP8 pool's token share (two engines: both used);
+* the median total in force (``max_num_seqs``) per family: a controller that reads the traffic
+  moves it between families.
+
+    python -m policies.evaluation.families --controllers 'ppo:policies/default,gradient' \\
+        --markdown families.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from policies.evaluation.compare import CONTESTED, starved_buckets
+from policies.evaluation.protocol import deployment_rate_scale
+from rlbatch.commands.options import (
+    CONTROLLER_HELP,
+    add_deployment_options,
+    add_settings_option,
+    controllers_from_args,
+    deployment_spec_from_args,
+)
+from rlbatch.control.action_codec import TOTAL_LADDER
+from rlbatch.serving.deployment import DeploymentSpec
+from rlbatch.tools.evaluate import EvalJob, run_jobs
+from rlbatch.workload.families import FAMILIES
+
+STATICS = tuple(f"static:{n}" for n in TOTAL_LADDER)
+CONSTANTS = tuple(f"fixed:{n}[order=deadline]" for n in TOTAL_LADDER)
+LOADS = (0.8, 0.9, 1.0, 1.1, 1.2)
+VALIDATION_SEEDS = (7001, 7002)
+"""Seeds of the judged runs: the recipe draws its generator seeds from its own generator
+(``rng.integers(2**31)``), never these fixed ones."""
+TRAINING_SEEDS = (11,)
+"""Seeds of the runs the constant is picked on."""
+DRIFT = "drift"
+REFERENCES = ("mpc", "gradient")
+"""Adaptive references every candidate is judged against (run on every judged workload)."""
+
+
+@dataclass(frozen=True)
+class FamilyRun:
+    """One judged workload: a family at a load (in its reference units) and a seed."""
+
+    family: str
+    load: float
+    seed: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.family}@{self.seed}"
+
+    def spec(self, duration_s: float) -> str:
+        if self.family == DRIFT:
+            return (f"drift:families=code/chat,load=1,duration={2 * duration_s:g},"
+                    f"segment={duration_s / 2:g}")
+        return f"{self.family}:load=1,duration={duration_s:g}"
+
+
+def family_runs(families: Sequence[str], loads: Sequence[float], seeds: Sequence[int]
+                ) -> list[FamilyRun]:
+    return [FamilyRun(f, load, s) for f in families for s in seeds for load in loads]
+
+
+def family_jobs(controllers: Sequence[str], runs: Sequence[FamilyRun], spec: DeploymentSpec,
+                rate_scale: float, duration_s: float) -> list[EvalJob]:
+    return [EvalJob(c, r.spec(duration_s), r.load * rate_scale, replace(spec), None, None,
+                    r.seed, 600.0) for r in runs for c in controllers]
+
+
+def _label(rows: list[dict[str, Any]], jobs: Sequence[EvalJob], runs: Sequence[FamilyRun],
+           n_controllers: int) -> list[dict[str, Any]]:
+    for i, (row, job) in enumerate(zip(rows, jobs, strict=True)):
+        run = runs[i // n_controllers]
+        row.update(family=run.family, load=run.load, seed=job.seed, trace=run.label)
+    return rows
+
+
+def _goodput(row: dict[str, Any] | None) -> float:
+    return math.nan if row is None else float(row["goodput_rps"] or 0.0)
+
+
+def _ratio(mine: float, other: float) -> float:
+    if not other > 0:
+        return math.inf if mine > 0 else math.nan
+    return mine / other
+
+
+def gmean(values: Sequence[float]) -> float:
+    kept = [v for v in values if v > 0 and math.isfinite(v)]
+    return math.exp(sum(map(math.log, kept)) / len(kept)) if kept else math.nan
+
+
+def pick_constant(training_rows: Sequence[dict[str, Any]]) -> str:
+    """The ``fixed:N[order=deadline]`` with the best mean goodput over the training runs of
+    every family (ties: the smaller N)."""
+    goodput: dict[str, list[float]] = defaultdict(list)
+    for row in training_rows:
+        if row["controller"] in CONSTANTS:
+            goodput[row["controller"]].append(_goodput(row))
+    if not goodput:
+        raise ValueError("no constant-controller runs to pick from")
+    return max(goodput, key=lambda c: (statistics.fmean(goodput[c]),
+                                       -TOTAL_LADDER[CONSTANTS.index(c)]))
+
+
+def judge_family(rows: Sequence[dict[str, Any]], candidate: str, family: str,
+                 constant: str) -> dict[str, Any]:
+    """The checks of one candidate on one family's runs (see the module docstring)."""
+    by_run: dict[tuple[str, float], dict[str, dict[str, Any]]] = defaultdict(dict)
+    for row in rows:
+        if row["family"] == family:
+            by_run[(row["trace"], float(row["load"]))][row["controller"]] = row
+    runs = []
+    for (trace, load), r in sorted(by_run.items()):
+        if candidate not in r:
+            continue
+        statics = [r[s] for s in STATICS if s in r]
+        best = max(statics, key=_goodput)
+        mine = r[candidate]
+        constants = [r[c] for c in CONSTANTS if c in r]
+        runs.append({
+            "trace": trace, "load": load,
+            "contested": CONTESTED[0] <= float(best["sla_attainment"] or 0) <= CONTESTED[1],
+            "best_static": best["controller"], "best_static_sla": best["sla_attainment"],
+            "goodput_rps": _goodput(mine), "sla_attainment": mine["sla_attainment"],
+            "vs_best_static": _ratio(_goodput(mine), _goodput(best)),
+            "vs_mpc": _ratio(_goodput(mine), _goodput(r.get("mpc"))),
+            "vs_gradient": _ratio(_goodput(mine), _goodput(r.get("gradient"))),
+            "vs_constant": _ratio(_goodput(mine), _goodput(r.get(constant))),
+            "best_constant": max(constants, key=_goodput)["controller"] if constants else None,
+            "vs_best_constant": (_ratio(_goodput(mine), max(map(_goodput, constants)))
+                                 if constants else math.nan),
+            "starved": starved_buckets(mine, best),
+            "kv_overflows": int(mine["kv_overflows"] or 0),
+            "fp8_token_share": mine.get("fp8_token_share"),
+            "total_median": mine.get("max_num_seqs_median"),
+        })
+    contested = [v for v in runs if v["contested"]]
+
+    def over(key: str) -> float:
+        return gmean([v[key] for v in contested])
+
+    summary = {
+        "family": family, "candidate": candidate, "runs": len(runs),
+        "contested_runs": len(contested),
+        "vs_best_static_gmean": over("vs_best_static"),
+        "vs_best_static_min": min((v["vs_best_static"] for v in contested), default=math.nan),
+        "vs_mpc_gmean": over("vs_mpc"), "vs_gradient_gmean": over("vs_gradient"),
+        "vs_constant_gmean": over("vs_constant"),
+        "vs_best_constant_gmean": over("vs_best_constant"),
+        "runs_with_starved_bucket": sum(1 for v in contested if v["starved"]),
+        "kv_overflows": sum(v["kv_overflows"] for v in runs),
+        "total_median": statistics.median(
+            [v["total_median"] for v in runs if v["total_median"] is not None]
+            or [math.nan]),
+        "fp8_token_share_min": min((float(v["fp8_token_share"]) for v in contested
+                                    if v["fp8_token_share"] is not None), default=math.nan),
+    }
+    summary["must_met"] = bool(
+        contested and summary["vs_best_static_gmean"] >= 1.0
+        and summary["vs_best_static_min"] >= 0.97
+        and all(not summary[k] < 1.0 for k in ("vs_mpc_gmean", "vs_gradient_gmean"))
+        and summary["runs_with_starved_bucket"] == 0 and summary["kv_overflows"] == 0)
+    return {"summary": summary, "runs": runs}
+
+
+def _cell(x: float, suffix: str = "x") -> str:
+    return "-" if x is None or not math.isfinite(x) else f"{x:.2f}{suffix}"
+
+
+def render(rows: Sequence[dict[str, Any]], candidates: Sequence[str], families: Sequence[str],
+           constant: str) -> str:
+    """Markdown: one table of per-family summaries per candidate, then the runs."""
+    out = [f"Constant picked on the training seeds: `{constant}`. Contested: the best static "
+           f"meets the SLA for {100 * CONTESTED[0]:.0f}-{100 * CONTESTED[1]:.0f}%. Ratios are "
+           "geo-means of goodput over the contested runs.", ""]
+    for cand in candidates:
+        out += [f"### {cand}", "",
+                "| family | contested | vs best static | worst | vs mpc | vs gradient | "
+                "vs constant | vs best constant (hindsight) | starved runs | KV overflows | "
+                "median total | must |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        detail = []
+        for family in families:
+            res = judge_family(rows, cand, family, constant)
+            s = res["summary"]
+            out.append(
+                f"| {family} | {s['contested_runs']}/{s['runs']} | "
+                f"{_cell(s['vs_best_static_gmean'])} | {_cell(s['vs_best_static_min'])} | "
+                f"{_cell(s['vs_mpc_gmean'])} | {_cell(s['vs_gradient_gmean'])} | "
+                f"{_cell(s['vs_constant_gmean'])} | {_cell(s['vs_best_constant_gmean'])} | "
+                f"{s['runs_with_starved_bucket']} | {s['kv_overflows']} | "
+                f"{_cell(s['total_median'], '')} | {'met' if s['must_met'] else 'NOT met'} |")
+            detail += [
+                f"| {v['trace']} | {v['load']:g} | "
+                f"{'contested' if v['contested'] else '-'} | {v['best_static']} "
+                f"({100 * float(v['best_static_sla'] or 0):.0f}%) | {v['goodput_rps']:.2f} | "
+                f"{_cell(v['vs_best_static'])} | {v['best_constant']} | "
+                f"{_cell(v['vs_best_constant'])} | {_cell(v['total_median'], '')} | "
+                f"{', '.join(v['starved']) or '-'} |" for v in res["runs"]]
+        out += ["", "| run | load | regime | best static | goodput/s | vs best static | "
+                "best constant | vs it | median total | starved |",
+                "|---|---:|---|---|---:|---:|---|---:|---:|---|", *detail, ""]
+    return "\n".join(out)
+
+
+def evaluate_families(candidates: Sequence[str], spec: DeploymentSpec, *,
+                      families: Sequence[str], loads: Sequence[float] = LOADS,
+                      seeds: Sequence[int] = VALIDATION_SEEDS,
+                      training_seeds: Sequence[int] = TRAINING_SEEDS,
+                      duration_s: float = 600.0, rate_scale: float = 1.0, n_jobs: int = 2,
+                      quiet: bool = False) -> tuple[list[dict[str, Any]], str, str]:
+    """Run the training runs (for the constant) and the judged runs; return the judged
+    rows, the constant and the Markdown report."""
+    base = [*STATICS, *CONSTANTS, *REFERENCES]
+    controllers = [*base, *(c for c in candidates if c not in base)]
+    train_runs = family_runs(families, loads, training_seeds)
+    judged_runs = family_runs(families, loads, seeds)
+    train_jobs = family_jobs(CONSTANTS, train_runs, spec, rate_scale, duration_s)
+    judged_jobs = family_jobs(controllers, judged_runs, spec, rate_scale, duration_s)
+    rows = run_jobs([*train_jobs, *judged_jobs], n_jobs=n_jobs, quiet=quiet, desc="families")
+    train_rows = _label(rows[:len(train_jobs)], train_jobs, train_runs, len(CONSTANTS))
+    judged = _label(rows[len(train_jobs):], judged_jobs, judged_runs, len(controllers))
+    constant = pick_constant(train_rows)
+    return judged, constant, render(judged, candidates, families, constant)
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m policies.evaluation.families",
+        description="Judge controllers per traffic family (chat, code, rag, report, drift) on "
+        "validation seeds against the static caps, the constant totals in deadline order, "
+        "mpc and gradient: does the controller read the traffic?",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--controllers", required=True,
+                   help=f"comma-separated candidates, each {CONTROLLER_HELP}")
+    add_settings_option(p)
+    p.add_argument("--families", default=",".join([*FAMILIES, DRIFT]),
+                   help="families to judge (drift: code and chat in turn)")
+    p.add_argument("--loads", type=_floats, default=LOADS,
+                   help="loads in each family's reference units (1: its knee on A100 / "
+                        "Llama-2-7B)")
+    p.add_argument("--seeds", type=_ints, default=VALIDATION_SEEDS, help="judged seeds")
+    p.add_argument("--training-seeds", type=_ints, default=TRAINING_SEEDS,
+                   help="seeds the constant is picked on")
+    p.add_argument("--duration-s", type=float, default=600.0,
+                   help="seconds of arrivals per run (drift: twice as long)")
+    p.add_argument("--rate-scale", type=float, default=None, metavar="X",
+                   help="multiply every load by X; default: the measured one for the "
+                        "deployment (DEPLOYMENT_RATE_SCALES)")
+    p.add_argument("--json", type=Path, help="write the judged rows and summaries here")
+    p.add_argument("--markdown", type=Path, help="write the report here")
+    p.add_argument("--jobs", type=int, default=2, help="runs in parallel (processes)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_deployment_options(p)
+    p.set_defaults(over_length="truncate")
+    args = p.parse_args(argv)
+    families = [f.strip() for f in args.families.split(",") if f.strip()]
+    for f in families:
+        if f not in FAMILIES and f != DRIFT:
+            p.error(f"unknown family {f!r}; choose from {', '.join([*FAMILIES, DRIFT])}")
+    try:
+        candidates = controllers_from_args(args.controllers, args.settings)
+        spec = deployment_spec_from_args(args)
+    except ValueError as e:
+        p.error(str(e))
+    scale = (args.rate_scale if args.rate_scale is not None
+             else deployment_rate_scale(spec.gpu, spec.model, spec.pools))
+    rows, constant, report = evaluate_families(
+        candidates, spec, families=families, loads=args.loads, seeds=args.seeds,
+        training_seeds=args.training_seeds, duration_s=args.duration_s, rate_scale=scale,
+        n_jobs=args.jobs, quiet=args.quiet)
+    print(report)
+    if args.markdown:
+        args.markdown.write_text(report + "\n")
+    if args.json:
+        summaries = [judge_family(rows, c, f, constant)["summary"]
+                     for c in candidates for f in families]
+        args.json.write_text(json.dumps({"constant": constant, "summaries": summaries,
+                                         "rows": rows}, indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
