@@ -76,6 +76,11 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     capacity (log1p(requests/s) / log1p(100)) and the reference requests one engine's KV pool
     holds / 256. ``obs_version=4`` is version 3 without the action in force (per bucket cap
     and pool, and the total cap: ``2 B + 1`` fewer), which a cloned student would copy.
+    ``obs_version=5`` is version 4 plus 7 features of the kind of traffic served and the SLA:
+    the prefill share of the computed tokens, the mean output length of finished requests
+    (both smoothed), TTFT and TPOT P99 of all buckets / the SLA's, the engines' busy time, and
+    the SLA's TTFT / 5 s and TPOT / 0.15 s (:data:`rlbatch.control.observation.
+    TRAFFIC_GLOBAL_FEATURES`).
 
     | index | feature | unit / normalisation |
     |---|---|---|
@@ -147,7 +152,8 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     * ``action_kind``: ``per_bucket`` (caps per bucket) or ``total_share`` (a total cap and
       per-bucket shares; the guard's ladder is then the total ladder, up to 256).
     * ``obs_version``: 1 (snapshot features), 2 (plus trends), 3 (version 2 in units of
-      the deployment's capacity) or 4 (version 3 without the action in force).
+      the deployment's capacity), 4 (version 3 without the action in force) or 5 (version 4
+      plus the kind of traffic and the SLA).
     * ``decision_ticks``: ticks one action is held for.
     * ``shares``: the ``total_share`` action's share ladder (``(1.0,)``: the total cap
       only).

@@ -427,6 +427,9 @@ class Recipe:
         for i, row in enumerate(rows):
             self.log("teacher/goodput_rps", float(row["goodput_rps"] or 0.0), i)
             self.log("teacher/sla_attainment", float(row["sla_attainment"] or 0.0), i)
+            # the total the teacher kept, per kind of traffic (workload name without its seed)
+            self.log(f"teacher/total_median/{str(row['trace']).split('[')[0]}",
+                     float(row["max_num_seqs_median"]), i)
         self.log("teacher/decisions", float(demos.decisions), 0)
         return rows
 
@@ -483,8 +486,13 @@ class Recipe:
         validation, statics, self.knee = validation_statics(self.cfg, self.specs, self.log)
         scores = []
         for i, path in enumerate(candidates):
-            per = [eval_score(run(w, make_controller(f"ppo:{path}"), self.specs[d]).row,
-                              statics[name]) for name, d, w in validation]
+            per = []
+            for name, d, w in validation:
+                row = run(w, make_controller(f"ppo:{path}"), self.specs[d]).row
+                per.append(eval_score(row, statics[name]))
+                if name.startswith("family "):  # does the checkpoint read the traffic?
+                    self.log(f"select/total_median/{name.removeprefix('family ')}",
+                             float(row["max_num_seqs_median"]), i)
             scores.append(float(np.mean(per)))
             self.log("select/score", scores[-1], i)
         best = max(range(len(candidates)), key=lambda i: (scores[i], i))
