@@ -145,6 +145,13 @@ def sample(sidecar: Sidecar, name: str, **labels: str) -> float:
 def test_settings_validation() -> None:
     up = (UpstreamSpec("fp16", "http://127.0.0.1:1"),)
     assert SidecarSettings(upstreams=up).host == "127.0.0.1"  # loopback unless told
+    # profile names are checked as the other commands check them: a typo is an error, not a
+    # capacity of 0 that observation version 3 then refuses at the first tick
+    assert SidecarSettings(upstreams=up, gpu="a100-80g", model="llama-2-7b").gpu == "a100-80g"
+    with pytest.raises(ValueError, match=r"gpu: .*'a100'.*available names: a100-80g"):
+        SidecarSettings(upstreams=up, gpu="a100")
+    with pytest.raises(ValueError, match=r"model: .*'llama2'.*available names"):
+        SidecarSettings(upstreams=up, model="llama2")
     with pytest.raises(ValueError, match="at least one"):
         SidecarSettings(upstreams=())
     with pytest.raises(ValueError, match="pool must be one of"):

@@ -104,8 +104,9 @@ class SidecarSettings:
     :param cold_start: the upstreams have just started: the guard's warm-up ramp applies.
     :param max_num_seqs: the upstreams' ``--max-num-seqs`` (vLLM does not export it).
     :param max_num_batched_tokens: the upstreams' ``--max-num-batched-tokens``.
-    :param gpu: GPU profile name reported to the controller (information only).
-    :param model: model profile name reported to the controller (information only).
+    :param gpu: GPU profile name (or profile file) reported to the controller, from which
+        the upstreams' capacity is estimated; ``unknown``: none (give ``capacity_rps``).
+    :param model: model profile name (or profile file), as ``gpu``.
     :param capacity_rps: reference requests per second all upstreams together serve
         (:mod:`rlbatch.profiles.capacity`); ``None``: estimated from ``gpu`` and ``model``
         when both name profiles, else unknown (a policy with observation version 3 then
@@ -255,6 +256,7 @@ class SidecarSettings:
         if self.tokenizer not in TOKENIZER_MODES and not Path(self.tokenizer).exists():
             raise ValueError(f"tokenizer must be one of {TOKENIZER_MODES} or an existing "
                              f"tokenizer.json / model folder, got {self.tokenizer!r}")
+        check_profiles(self.gpu, self.model)
         if self.shadow_pool is not None and self.shadow_pool not in self.pools:
             raise ValueError(f"shadow_pool {self.shadow_pool!r} is not among the upstream pools "
                              f"{list(self.pools)}")
@@ -277,3 +279,20 @@ class SidecarSettings:
     @property
     def binds_loopback(self) -> bool:
         return self.host in ("127.0.0.1", "::1", "localhost")
+
+
+def check_profiles(gpu: str, model: str) -> None:
+    """Refuse a ``gpu`` / ``model`` that is neither ``unknown`` (the default: no profile, the
+    capacity comes from ``capacity_rps``) nor a profile name or file, as the other commands
+    do: a typo would otherwise leave the capacity estimate at 0.
+
+    :raises ValueError: naming the valid profiles.
+    """
+    from rlbatch.profiles.specs import load_gpu, load_model
+
+    for kind, value, load in (("gpu", gpu, load_gpu), ("model", model, load_model)):
+        if value != "unknown":
+            try:
+                load(value)
+            except (ValueError, OSError) as exc:
+                raise ValueError(f"{kind}: {exc}") from None
