@@ -1,4 +1,4 @@
-"""Simulator speed (issue 12): the must-show figures side by side, each against a baseline.
+"""Simulator speed: the target figures side by side, each against a baseline commit.
 
     .venv/bin/python benchmarks/bench_sim.py [--baseline d08d6e7] [--repeats 3] [--no-env]
     .venv/bin/python benchmarks/bench_sim.py --controller vllm-default --rate-scale 0.5
@@ -40,7 +40,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 AZURE = ROOT.parent / "shared/data/traces/azure_conv_2023.csv"
 BASELINE = "d08d6e7"
-"""The commit before issue 12's speed work."""
+"""The last commit before the simulator's speed work (event skipping, lean stats)."""
 
 # Runs one simulation in a fresh interpreter of either tree; prints one JSON line.
 _RUN = r"""
@@ -140,10 +140,10 @@ def _fmt_ratio(before: float | None, after: float, higher_is_better: bool = Fals
     return f"{(after / before) if higher_is_better else (before / after):.1f}x"
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", default=BASELINE,
-                        help=f"commit to compare with (default {BASELINE}, before issue 12)")
+                        help=f"commit to compare with (default {BASELINE}, before the speed work)")
     parser.add_argument("--trace", default=str(AZURE))
     parser.add_argument("--controller", default="static:16", help="the in-run figure's run")
     parser.add_argument("--rate-scale", type=float, default=1.0)
@@ -156,7 +156,11 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="best of N for each figure")
     parser.add_argument("--no-env", action="store_true", help="skip the env step figure")
     parser.add_argument("--env-steps", type=int, default=5000)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = _parser().parse_args()
     trace = Path(args.trace)
     print(f"python {platform.python_version()}, cpus visible {os.cpu_count()}, load average "
           f"{os.getloadavg()[0]:.2f}; best of {args.repeats}, baseline {args.baseline}\n")
@@ -218,13 +222,20 @@ def main() -> int:
             and all(runs["this"][1]["row"].get(k) == v for k, v in runs["base"][1]["row"].items())
             for runs in (inrun, target))
 
+    _print_table(rows, same_skip, off["wall"] / inrun["this"][1]["wall"], same_base)
+    ok = same_skip and same_base is not False
+    return 0 if ok else 1
+
+
+def _print_table(rows: list[tuple[str, float | None, float, str, str, bool]], same_skip: bool,
+                 skip_ratio: float, same_base: bool | None) -> None:
+    """The figures, then the two exactness checks (event skipping; the baseline's rows)."""
     print(f"{'figure':44} {'baseline':>12} {'this tree':>12} {'ratio':>7}  {'target':11} met")
     print("-" * 95)
     for name, before, after, ratio, goal, met in rows:
         b = "" if before is None else f"{before:,.3f}" if before < 100 else f"{before:,.0f}"
         a = f"{after:,.3f}" if after < 100 else f"{after:,.0f}"
         print(f"{name:44} {b:>12} {a:>12} {ratio:>7}  {goal:11} {'yes' if met else 'NO'}")
-    skip_ratio = off["wall"] / inrun["this"][1]["wall"]
     print(f"{'event skipping on == off (that run)':44} {'':>12} "
           f"{'identical' if same_skip else 'DIFFERENT':>12} {skip_ratio:>6.1f}x  "
           f"{'identical':11} {'yes' if same_skip else 'NO'}")
@@ -232,8 +243,6 @@ def main() -> int:
         print(f"{'rows and records == baseline (both runs)':44} {'':>12} "
               f"{'identical' if same_base else 'DIFFERENT':>12} {'':>7}  {'identical':11} "
               f"{'yes' if same_base else 'NO'}")
-    ok = same_skip and same_base is not False
-    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from policies.evaluation.compare import CONTESTED
-from policies.evaluation.families import DRIFT, STATICS, TRAINING_SEEDS, FamilyRun, gmean
+from policies.evaluation.compare import CONTESTED, gmean
+from policies.evaluation.families import DRIFT, STATICS, TRAINING_SEEDS, FamilyRun
 from policies.evaluation.protocol import training_runs
 from rlbatch.serving.admission import AdmissionConfig
 from rlbatch.serving.deployment import DeploymentSpec

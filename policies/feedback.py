@@ -144,12 +144,13 @@ class GradientController(GuardedController):
             # target / measured of each breached latency (NaN, no completion: no signal)
             ratios: list[float] = []
             tpot_s, ttft_s = cfg.tpot_target * sla.tpot_s, cfg.ttft_target * sla.ttft_s
-            if cfg.signal == "misses" and not self._tpot_dominates(stats):
-                tpot_s, ttft_s = math.inf, math.inf  # the queue costs more: no decrease
-            if w.tpot_p99_all_s > tpot_s:
-                ratios.append(tpot_s / w.tpot_p99_all_s)
-            if not waiting and w.ttft_p99_all_s > ttft_s:
-                ratios.append(ttft_s / w.ttft_p99_all_s)
+            # with "misses", a breach counts only while slow decoding costs more requests
+            # than the queue does (the window is kept every tick, so it is asked every tick)
+            if cfg.signal == "p99" or self._tpot_dominates(stats):
+                if w.tpot_p99_all_s > tpot_s:
+                    ratios.append(tpot_s / w.tpot_p99_all_s)
+                if not waiting and w.ttft_p99_all_s > ttft_s:
+                    ratios.append(ttft_s / w.ttft_p99_all_s)
             if ratios:
                 if stats.time_s - self._decreased_at >= cfg.cooldown_s:
                     gradient = max(cfg.min_gradient, min(ratios))

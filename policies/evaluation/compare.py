@@ -16,6 +16,21 @@ CONTESTED = (0.20, 0.95)
 FAIRNESS_POINTS = 0.05
 
 
+def goodput_ratio(row: dict[str, Any], other: dict[str, Any] | None) -> float:
+    """``row``'s goodput over ``other``'s: NaN without ``other`` or when both are 0, ``inf``
+    when only ``other``'s is."""
+    if other is None:
+        return math.nan
+    mine, theirs = float(row["goodput_rps"] or 0.0), float(other["goodput_rps"] or 0.0)
+    return mine / theirs if theirs > 0 else math.inf if mine > 0 else math.nan
+
+
+def gmean(values: Sequence[float]) -> float:
+    """Geometric mean of the positive, finite ``values`` (NaN if there are none)."""
+    kept = [v for v in values if v > 0 and math.isfinite(v)]
+    return math.exp(sum(map(math.log, kept)) / len(kept)) if kept else math.nan
+
+
 def _is_static(name: str) -> bool:
     return name.startswith("static:")
 
@@ -84,12 +99,6 @@ def compare(rows: Sequence[dict[str, Any]], candidate: str, user_pick: str,
         best_attain = float(best["sla_attainment"] or 0.0)
         good = float(mine["goodput_rps"] or 0.0)
 
-        def ratio(other: dict[str, Any] | None, good: float = good) -> float:
-            if other is None:
-                return math.nan
-            g = float(other["goodput_rps"] or 0.0)
-            return good / g if g > 0 else math.inf if good > 0 else math.nan
-
         verdicts.append({
             "trace": trace,
             "rate_scale": rate,
@@ -98,9 +107,9 @@ def compare(rows: Sequence[dict[str, Any]], candidate: str, user_pick: str,
             "best_static": best["controller"],
             "best_static_sla": best_attain,
             "goodput_rps": good,
-            "vs_user_pick": ratio(runs.get(user_pick)),
-            "vs_best_static": ratio(best),
-            "vs_baseline": ratio(runs.get(baseline)),
+            "vs_user_pick": goodput_ratio(mine, runs.get(user_pick)),
+            "vs_best_static": goodput_ratio(mine, best),
+            "vs_baseline": goodput_ratio(mine, runs.get(baseline)),
             "kv_overflows": int(mine["kv_overflows"] or 0),
             "starved": starved_buckets(mine, best),
         })

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from policies.evaluation.compare import CONTESTED, starved_buckets
+from policies.evaluation.compare import CONTESTED, gmean, goodput_ratio, starved_buckets
 from policies.evaluation.protocol import deployment_rate_scale
 from rlbatch.commands.options import (
     CONTROLLER_HELP,
@@ -97,19 +97,8 @@ def _label(rows: list[dict[str, Any]], jobs: Sequence[EvalJob], runs: Sequence[F
     return rows
 
 
-def _goodput(row: dict[str, Any] | None) -> float:
-    return math.nan if row is None else float(row["goodput_rps"] or 0.0)
-
-
-def _ratio(mine: float, other: float) -> float:
-    if not other > 0:
-        return math.inf if mine > 0 else math.nan
-    return mine / other
-
-
-def gmean(values: Sequence[float]) -> float:
-    kept = [v for v in values if v > 0 and math.isfinite(v)]
-    return math.exp(sum(map(math.log, kept)) / len(kept)) if kept else math.nan
+def _goodput(row: dict[str, Any]) -> float:
+    return float(row["goodput_rps"] or 0.0)
 
 
 def pick_constant(training_rows: Sequence[dict[str, Any]]) -> str:
@@ -140,18 +129,18 @@ def judge_family(rows: Sequence[dict[str, Any]], candidate: str, family: str,
         best = max(statics, key=_goodput)
         mine = r[candidate]
         constants = [r[c] for c in CONSTANTS if c in r]
+        best_constant = max(constants, key=_goodput) if constants else None
         runs.append({
             "trace": trace, "load": load,
             "contested": CONTESTED[0] <= float(best["sla_attainment"] or 0) <= CONTESTED[1],
             "best_static": best["controller"], "best_static_sla": best["sla_attainment"],
             "goodput_rps": _goodput(mine), "sla_attainment": mine["sla_attainment"],
-            "vs_best_static": _ratio(_goodput(mine), _goodput(best)),
-            "vs_mpc": _ratio(_goodput(mine), _goodput(r.get("mpc"))),
-            "vs_gradient": _ratio(_goodput(mine), _goodput(r.get("gradient"))),
-            "vs_constant": _ratio(_goodput(mine), _goodput(r.get(constant))),
-            "best_constant": max(constants, key=_goodput)["controller"] if constants else None,
-            "vs_best_constant": (_ratio(_goodput(mine), max(map(_goodput, constants)))
-                                 if constants else math.nan),
+            "vs_best_static": goodput_ratio(mine, best),
+            "vs_mpc": goodput_ratio(mine, r.get("mpc")),
+            "vs_gradient": goodput_ratio(mine, r.get("gradient")),
+            "vs_constant": goodput_ratio(mine, r.get(constant)),
+            "best_constant": None if best_constant is None else best_constant["controller"],
+            "vs_best_constant": goodput_ratio(mine, best_constant),
             "starved": starved_buckets(mine, best),
             "kv_overflows": int(mine["kv_overflows"] or 0),
             "fp8_token_share": mine.get("fp8_token_share"),

@@ -23,7 +23,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from policies.evaluation.compare import CONTESTED, compare, starved_shortfalls
+from policies.evaluation.compare import CONTESTED, compare, gmean, starved_shortfalls
 from rlbatch.commands.options import (
     CONTROLLER_HELP,
     add_deployment_options,
@@ -248,16 +248,15 @@ def judge(rows: Sequence[dict[str, Any]], candidate: str, pick: str) -> dict[str
     verdicts = compare(rows, candidate, pick, BASELINE)
     contested = [v for v in verdicts if v["contested"]]
 
-    def gmean(key: str) -> float:
-        vals = [v[key] for v in contested if v[key] > 0 and math.isfinite(v[key])]
-        return math.exp(sum(math.log(x) for x in vals) / len(vals)) if vals else math.nan
+    def over(key: str) -> float:
+        return gmean([v[key] for v in contested])
 
     summary = {
         "contested_runs": len(contested),
-        "vs_best_static_gmean": gmean("vs_best_static"),
+        "vs_best_static_gmean": over("vs_best_static"),
         "vs_best_static_min": min((v["vs_best_static"] for v in contested), default=math.nan),
-        "vs_user_pick_gmean": gmean("vs_user_pick"),
-        "vs_playbook_gmean": gmean("vs_baseline"),
+        "vs_user_pick_gmean": over("vs_user_pick"),
+        "vs_playbook_gmean": over("vs_baseline"),
         "kv_overflows": sum(v["kv_overflows"] for v in verdicts),
         "runs_with_starved_bucket": sum(1 for v in contested if v["starved"]),
     }

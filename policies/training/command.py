@@ -100,7 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-compare", action="store_true",
                    help="skip the final comparison")
     p.add_argument("--no-progress", action="store_true", help="no progress output")
-    g = p.add_argument_group("recipe (--method distill)")
+    _add_recipe_options(p.add_argument_group("recipe (--method distill)"), r)
+    _add_recipe_traffic_options(
+        p.add_argument_group("recipe: what it trains on (--method distill)"), r)
+    _add_ppo_options(p.add_argument_group("PPO from scratch (--method ppo)"), d)
+    return p
+
+
+def _add_recipe_options(g: argparse._ArgumentGroup, r: RecipeConfig) -> None:
+    """How the recipe learns: teacher, student, DAgger, fine-tuning, selection."""
     g.add_argument("--teacher", default=r.teacher, help="teacher controller spec")
     g.add_argument("--episodes", type=int, default=r.episodes,
                    help="teacher workloads (behaviour cloning)")
@@ -113,7 +121,41 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--epochs", type=int, default=r.epochs, help="behaviour-cloning epochs")
     g.add_argument("--obs-version", type=int, choices=OBS_VERSIONS, default=r.obs_version,
                    help="the student's observation version (4: version 3 without the "
-                        "action in force, so that the student cannot copy its last action)")
+                        "action in force, so that the student cannot copy its last action; 5: "
+                        "version 4 plus the kind of traffic and the SLA)")
+    g.add_argument("--selection-knee", action="store_true",
+                   help="select the checkpoint on validation windows at the rate scales where "
+                        "the training traffic is contested on --gpu/--model/--pools (scanned "
+                        "first) instead of the fixed selection rates")
+    g.add_argument("--selection-mixes", action="store_true",
+                   help="also select the checkpoint on each training window with every "
+                        "prompt-length bucket equally likely (the centre of --mix-share's mixes)")
+    g.add_argument("--obs-clip", action="store_true",
+                   help="record in each checkpoint the range of the observations it was "
+                        "fitted on; serving (and fine-tuning) clips every observation into "
+                        "it instead of letting the student extrapolate past its training")
+    g.add_argument("--labels", choices=LABELS, default=r.labels,
+                   help="choice: fit each decision to the teacher's choice (default); near: "
+                        "to every candidate the teacher counted as tied with it, equally "
+                        "weighted, so the student learns the action most often near-best")
+    g.add_argument("--shares", type=checked(positive_floats),
+                   default=_csv(r.shares), metavar="S,...",
+                   help="the student's share ladder: each bucket's cap is a share of the total "
+                        "cap, increasing and ending at 1 (default %(default)s); '1': the "
+                        "student chooses the total cap only and cannot trim a bucket (pair it "
+                        "with a teacher that does not trim, e.g. mpc[routing=false,trims=false])")
+    g.add_argument("--finetune-steps", type=int, default=r.finetune_steps,
+                   help="PPO fine-tuning decisions after DAgger (0: none); the fine-tuned "
+                        "student is one more checkpoint for selection")
+    g.add_argument("--members", type=int, default=r.members, metavar="K",
+                   help="train K students, each by the whole recipe with seed K*SEED+k in "
+                        "OUT/member-k, and ship the mean of their logits as one policy "
+                        "(default %(default)s); a member already finished in its folder with "
+                        "the same options is reused")
+
+
+def _add_recipe_traffic_options(g: argparse._ArgumentGroup, r: RecipeConfig) -> None:
+    """What the recipe trains on: deployments, length mixes, traffic families, SLAs."""
     g.add_argument("--train-deployments", type=checked(_deployment_list),
                    default=",".join(r.deployments) or "none", metavar="GPU/MODEL,...",
                    help="further GPU/model profiles to train over besides --gpu/--model "
@@ -147,36 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--train-sla-tpot-s", type=checked(positive_range),
                    default=_csv(r.sla_tpot_s), metavar="LOW,HIGH",
                    help="the SLA's TPOT limit of each workload, as --train-sla-ttft-s")
-    g.add_argument("--selection-knee", action="store_true",
-                   help="select the checkpoint on validation windows at the rate scales where "
-                        "the training traffic is contested on --gpu/--model/--pools (scanned "
-                        "first) instead of the fixed selection rates")
-    g.add_argument("--selection-mixes", action="store_true",
-                   help="also select the checkpoint on each training window with every "
-                        "prompt-length bucket equally likely (the centre of --mix-share's mixes)")
-    g.add_argument("--obs-clip", action="store_true",
-                   help="record in each checkpoint the range of the observations it was "
-                        "fitted on; serving (and fine-tuning) clips every observation into "
-                        "it instead of letting the student extrapolate past its training")
-    g.add_argument("--labels", choices=LABELS, default=r.labels,
-                   help="choice: fit each decision to the teacher's choice (default); near: "
-                        "to every candidate the teacher counted as tied with it, equally "
-                        "weighted, so the student learns the action most often near-best")
-    g.add_argument("--shares", type=checked(positive_floats),
-                   default=_csv(r.shares), metavar="S,...",
-                   help="the student's share ladder: each bucket's cap is a share of the total "
-                        "cap, increasing and ending at 1 (default %(default)s); '1': the "
-                        "student chooses the total cap only and cannot trim a bucket (pair it "
-                        "with a teacher that does not trim, e.g. mpc[routing=false,trims=false])")
-    g.add_argument("--finetune-steps", type=int, default=r.finetune_steps,
-                   help="PPO fine-tuning decisions after DAgger (0: none); the fine-tuned "
-                        "student is one more checkpoint for selection")
-    g.add_argument("--members", type=int, default=r.members, metavar="K",
-                   help="train K students, each by the whole recipe with seed K*SEED+k in "
-                        "OUT/member-k, and ship the mean of their logits as one policy "
-                        "(default %(default)s); a member already finished in its folder with "
-                        "the same options is reused")
-    h = p.add_argument_group("PPO from scratch (--method ppo)")
+
+
+def _add_ppo_options(h: argparse._ArgumentGroup, d: TrainConfig) -> None:
+    """PPO from scratch on the env."""
     h.add_argument("--timesteps", type=int, default=d.timesteps, help="environment steps")
     h.add_argument("--n-envs", type=int, default=d.n_envs, help="parallel environments")
     h.add_argument("--vec-env", choices=("dummy", "subproc"), default=d.vec_env,
@@ -189,7 +205,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="evaluate against the baselines every N steps (0: at the end)")
     h.add_argument("--compare-rates", default="0.25,0.5,0.75,1.0",
                    help="Azure rate scales of the PPO run's final comparison")
-    return p
 
 
 def _csv(values: Sequence[float]) -> str:

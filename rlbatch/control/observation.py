@@ -146,6 +146,7 @@ class ObservationBuilder:
     version: int = 1
     _trend: dict[str, list[float]] = field(default_factory=dict, init=False, repr=False,
                                            compare=False)
+    _sla: list[float] = field(default_factory=list, init=False, repr=False, compare=False)
     _capacity: list[float] = field(default_factory=list, init=False, repr=False,
                                    compare=False)
     _keep: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
@@ -166,6 +167,9 @@ class ObservationBuilder:
             self._capacity = [
                 min(math.log1p(self.info.capacity_rps) / math.log1p(100.0), CLIP),
                 min(seqs / TOTAL_NORM, CLIP)]
+        if self.version >= 5:  # the SLA is constant for the run too
+            self._sla = [self.info.sla.ttft_s / SLA_TTFT_NORM_S,
+                         self.info.sla.tpot_s / SLA_TPOT_NORM_S]
         if self.version >= 4:  # built in version 3's layout, then the action dropped
             names = feature_names(self.info.buckets.names, 3)
             self._keep = np.array([i for i, n in enumerate(names) if not _restates_action(n)])
@@ -199,9 +203,7 @@ class ObservationBuilder:
             obs[-len(CAPACITY_GLOBAL_FEATURES):] = self._capacity
         obs = obs if self._keep is None else obs[self._keep]
         if self.version >= 5:
-            sla = self.info.sla
-            traffic = [0.0] * len(TRAFFIC_GLOBAL_FEATURES)
-            traffic[-2:] = [sla.ttft_s / SLA_TTFT_NORM_S, sla.tpot_s / SLA_TPOT_NORM_S]
+            traffic = [0.0] * (len(TRAFFIC_GLOBAL_FEATURES) - len(self._sla)) + self._sla
             obs = np.concatenate([obs, np.clip(traffic, 0.0, CLIP).astype(np.float32)])
         return obs
 
@@ -289,7 +291,7 @@ class ObservationBuilder:
                 stats.window.ttft_p99_all_s / sla.ttft_s,
                 stats.window.tpot_p99_all_s / sla.tpot_s,
                 sum(busy) / len(busy) if busy else 0.0,
-                sla.ttft_s / SLA_TTFT_NORM_S, sla.tpot_s / SLA_TPOT_NORM_S]
+                *self._sla]
 
     def _trends(self, stats: DeploymentStats, tick: float) -> list[float]:
         tr = self._trend

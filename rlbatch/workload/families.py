@@ -35,7 +35,7 @@ import numpy as np
 
 from rlbatch.request import PREFIX_BLOCK_TOKENS
 from rlbatch.workload.base import RequestRow, Workload, build_workload
-from rlbatch.workload.generators import bursty, poisson
+from rlbatch.workload.generators import bursty, poisson, poisson_arrivals
 from rlbatch.workload.lengths import (
     DEFAULT_CONTEXT_TOKENS,
     LengthDist,
@@ -98,8 +98,8 @@ def rag(rate_rps: float, duration_s: float, seed: int = 0, *, documents: int = 6
     rng = np.random.default_rng(seed)
     blocks = rng.integers(lo // PREFIX_BLOCK_TOKENS, hi // PREFIX_BLOCK_TOKENS + 1, documents)
     weights = np.arange(1, documents + 1, dtype=float) ** -zipf_a
-    count = int(rng.poisson(rate_rps * duration_s))
-    arrivals = np.sort(rng.uniform(0.0, duration_s, count))
+    arrivals = poisson_arrivals(rng, rate_rps, 0.0, duration_s)
+    count = int(arrivals.size)
     docs = rng.choice(documents, size=count, p=weights / weights.sum())
     room = DEFAULT_CONTEXT_TOKENS - int(blocks.max()) * PREFIX_BLOCK_TOKENS
     questions = np.clip(np.rint(rng.lognormal(math.log(question_median), 0.6, count)), 4,
@@ -138,25 +138,25 @@ class TrafficFamily:
     make: Callable[[float, float, int], Workload]
 
 
-def _lengths_family(lengths: Callable[[], LengthDist], arrivals: str
+def _lengths_family(lengths: Callable[[], LengthDist],
+                    arrivals: Callable[[float, float, LengthDist, int], Workload]
                     ) -> Callable[[float, float, int], Workload]:
+    """A family that is a length distribution under an arrival process."""
     def make(rate_rps: float, duration_s: float, seed: int) -> Workload:
-        if arrivals == "bursty":
-            return bursty(rate_rps, duration_s, lengths(), seed)
-        return poisson(rate_rps, duration_s, lengths(), seed)
+        return arrivals(rate_rps, duration_s, lengths(), seed)
     return make
 
 
 FAMILIES: dict[str, TrafficFamily] = {f.name: f for f in (
     TrafficFamily("chat", "chat: short prompts, long answers (ShareGPT), bursty", 4.2,
-                  _lengths_family(chat_mix, "bursty")),
+                  _lengths_family(chat_mix, bursty)),
     TrafficFamily("code", "code completion: ~1.5k-token prompts, tens of output tokens "
                           "(Azure 2023 code), bursty", 3.3,
-                  _lengths_family(code_completion_mix, "bursty")),
+                  _lengths_family(code_completion_mix, bursty)),
     TrafficFamily("rag", "RAG: questions over hot documents sharing prefixes, short answers, "
                          "Poisson", 8.5, lambda r, d, s: rag(r, d, s)),
     TrafficFamily("report", "batch reports: ~1.8k-token documents, ~450-token answers, "
-                            "Poisson", 1.65, _lengths_family(report_mix, "poisson")),
+                            "Poisson", 1.65, _lengths_family(report_mix, poisson)),
 )}
 
 

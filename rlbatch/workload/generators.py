@@ -45,7 +45,7 @@ def poisson(rate_rps: float, duration_s: float, lengths: LengthDist | None = Non
     _check_rate_duration(rate_rps, duration_s)
     dist = lengths if lengths is not None else azure_like_mix()
     rng = np.random.default_rng(seed)
-    arrivals = _uniform_arrivals(rng, rate_rps, 0.0, duration_s)
+    arrivals = poisson_arrivals(rng, rate_rps, 0.0, duration_s)
     source = (f"poisson(rate_rps={rate_rps:g}, duration_s={duration_s:g}, "
               f"lengths={dist.describe()}, seed={seed})")
     return _workload(f"poisson-{dist.describe()}", source, arrivals, dist, rng)
@@ -85,7 +85,7 @@ def bursty(mean_rate_rps: float, duration_s: float, lengths: LengthDist | None =
     on = bool(rng.random() < mean_on_s / (mean_on_s + mean_off_s))
     while now < duration_s:
         end = min(duration_s, now + rng.exponential(mean_on_s if on else mean_off_s))
-        pieces.append(_uniform_arrivals(rng, on_rate if on else off_rate, now, end))
+        pieces.append(poisson_arrivals(rng, on_rate if on else off_rate, now, end))
         now, on = end, not on
     arrivals = np.concatenate(pieces)
     source = (f"bursty(mean_rate_rps={mean_rate_rps:g}, duration_s={duration_s:g}, "
@@ -119,7 +119,7 @@ def diurnal(mean_rate_rps: float, duration_s: float, lengths: LengthDist | None 
     dist = lengths if lengths is not None else azure_like_mix()
     rng = np.random.default_rng(seed)
     peak = mean_rate_rps * (1.0 + amplitude)
-    candidates = _uniform_arrivals(rng, peak, 0.0, duration_s)
+    candidates = poisson_arrivals(rng, peak, 0.0, duration_s)
     rate = mean_rate_rps * (1.0 - amplitude * np.cos(2.0 * math.pi * candidates / period))
     arrivals = candidates[rng.random(candidates.size) * peak < rate]
     source = (f"diurnal(mean_rate_rps={mean_rate_rps:g}, duration_s={duration_s:g}, "
@@ -128,7 +128,7 @@ def diurnal(mean_rate_rps: float, duration_s: float, lengths: LengthDist | None 
     return _workload(f"diurnal-{dist.describe()}", source, arrivals, dist, rng)
 
 
-def _uniform_arrivals(rng: np.random.Generator, rate: float, start: float,
+def poisson_arrivals(rng: np.random.Generator, rate: float, start: float,
                       end: float) -> FloatArray:
     """Poisson arrivals on ``[start, end)``: a Poisson count placed uniformly, sorted."""
     count = int(rng.poisson(rate * (end - start)))

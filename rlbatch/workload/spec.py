@@ -80,14 +80,8 @@ def resolve_workload(spec: str, seed: int = 0, *, rate_scale: float = 1.0) -> Wo
 
 def _generate(kind: str, body: str, spec: str, seed: int, rate_scale: float) -> Workload:
     params = _parse_params(body, spec)
-    allowed = ("rate", "duration", "mix", *GENERATOR_KEYS[kind])
-    unknown = sorted(set(params) - set(allowed))
-    if unknown:
-        raise ValueError(f"{spec!r}: unknown key(s) {', '.join(unknown)} for {kind}; allowed: "
-                         f"{', '.join(allowed)}; valid forms: {VALID_FORMS}")
-    missing = [key for key in ("rate", "duration") if key not in params]
-    if missing:
-        raise ValueError(f"{spec!r}: missing {' and '.join(missing)}; valid forms: {VALID_FORMS}")
+    _check_keys(params, kind, spec, ("rate", "duration", "mix", *GENERATOR_KEYS[kind]),
+                [key for key in ("rate", "duration") if key not in params])
     mix_name = params.pop("mix", "azure-like").lower()
     if mix_name not in MIXES:
         raise ValueError(f"{spec!r}: unknown mix {mix_name!r}; choose one of "
@@ -107,17 +101,11 @@ def _family(kind: str, body: str, spec: str, seed: int, rate_scale: float) -> Wo
     params = _parse_params(body, spec)
     allowed = (("families", "load", "duration", "segment") if kind == "drift"
                else ("load", "rate", "duration"))
-    unknown = sorted(set(params) - set(allowed))
-    if unknown:
-        raise ValueError(f"{spec!r}: unknown key(s) {', '.join(unknown)} for {kind}; allowed: "
-                         f"{', '.join(allowed)}; valid forms: {VALID_FORMS}")
     needed = ("families", "load", "duration") if kind == "drift" else ("duration",)
     missing = [key for key in needed if key not in params]
     if kind != "drift" and ("load" in params) == ("rate" in params):
         missing.append("exactly one of load and rate")
-    if missing:
-        raise ValueError(f"{spec!r}: missing {' and '.join(missing)}; valid forms: "
-                         f"{VALID_FORMS}")
+    _check_keys(params, kind, spec, allowed, missing)
     names = tuple(n.strip().lower() for n in params.pop("families", "").split("/") if n)
     for name in names:
         if name not in FAMILIES:
@@ -134,6 +122,17 @@ def _family(kind: str, body: str, spec: str, seed: int, rate_scale: float) -> Wo
     family = FAMILIES[kind]
     rate = numbers["rate"] if "rate" in numbers else numbers["load"] * family.reference_rps
     return family.make(rate * rate_scale, duration, seed)
+
+
+def _check_keys(params: dict[str, str], kind: str, spec: str, allowed: tuple[str, ...],
+                missing: list[str]) -> None:
+    """Refuse keys ``kind`` does not take, then the ``missing`` required ones."""
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        raise ValueError(f"{spec!r}: unknown key(s) {', '.join(unknown)} for {kind}; allowed: "
+                         f"{', '.join(allowed)}; valid forms: {VALID_FORMS}")
+    if missing:
+        raise ValueError(f"{spec!r}: missing {' and '.join(missing)}; valid forms: {VALID_FORMS}")
 
 
 def _parse_params(body: str, spec: str) -> dict[str, str]:
