@@ -1,5 +1,6 @@
 """Helpers of the live sidecar tests (``tests/test_sidecar_live.py``): the sidecar as a child
-process, metric readers, a poller of each upstream's running requests, and a client call that
+process (against real vLLM servers, or any upstream URLs from an event loop that also serves a
+fake), metric readers, a poller of each upstream's running requests, and a client call that
 classifies the answer."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,6 +65,37 @@ def sidecar(servers: Servers, tmp_path: Path, *args: str,
         yield url, proc.pid
     finally:
         stop_child(proc)
+        log.close()
+
+
+@contextlib.asynccontextmanager
+async def child_sidecar(upstreams: list[str], tmp_path: Path,
+                        *args: str) -> AsyncIterator[tuple[str, int]]:
+    """``serve.py`` in a child process in front of ``upstreams`` (``POOL=URL`` each), waited
+    for without blocking the event loop (a fake upstream in this loop keeps answering its
+    scrapes); yields its URL and pid once ``/ready`` says so."""
+    port = free_port()
+    path = tmp_path / f"sidecar-{port}.log"
+    log = path.open("wb")
+    cmd = [sys.executable, str(REPO / "serve.py"), "--port", str(port), "--buckets", EDGES,
+           "--no-cold-start", "--tick-s", "0.25", "--no-gpu-telemetry", "--tokenizer",
+           "approx"]
+    for upstream in upstreams:
+        cmd += ["--upstream", upstream]
+    proc = subprocess.Popen([*cmd, *args], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, path.read_text()
+            with contextlib.suppress(OSError, aiohttp.ClientError):
+                if await _get_status(url + "/ready") == 200:
+                    break
+            assert time.monotonic() < deadline, "sidecar not ready: " + path.read_text()
+            await asyncio.sleep(0.1)
+        yield url, proc.pid
+    finally:
+        await asyncio.to_thread(stop_child, proc)
         log.close()
 
 

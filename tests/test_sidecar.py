@@ -227,6 +227,9 @@ def test_parse_request_and_usage() -> None:
     plain = parse_request(b'{"prompt": [1, 2, 3]}', "completions")
     assert plain.prompt.token_ids == 3 and plain.forward_body(None) == b'{"prompt": [1, 2, 3]}'
     assert plain.max_output_tokens(3, 100) == 16  # vLLM's completions default
+    # loose types vLLM's pydantic models coerce are read the same way
+    loose = parse_request(b'{"prompt": "a", "max_tokens": "5", "stream": "yes"}', "completions")
+    assert loose.max_tokens == 5 and loose.stream is True
     chat = parse_request(b'{"messages": [{"role": "user", "content": "hi"}]}', "chat")
     assert chat.prompt.messages == ("hi",) and chat.max_output_tokens(10, 100) == 90
     for raw, kind, needle in [
@@ -234,9 +237,9 @@ def test_parse_request_and_usage() -> None:
             (b"", "completions", "empty body"), (b"{}", "completions", "'prompt' is required"),
             (b'{"prompt": ["a", {"b": 1}]}', "completions", "list of strings"),
             (b'{"prompt": []}', "completions", "empty list"),
-            (b'{"prompt": "a", "max_tokens": "5"}', "completions", "'max_tokens'"),
+            (b'{"prompt": "a", "max_tokens": "five"}', "completions", "'body.max_tokens'"),
             (b'{"prompt": "a", "max_tokens": 0}', "completions", ">= 1"),
-            (b'{"prompt": "a", "stream": "yes"}', "completions", "'stream'"),
+            (b'{"prompt": "a", "stream": "maybe"}', "completions", "'body.stream'"),
             (b'{"messages": []}', "chat", "non-empty list"),
             (b'{"messages": [{"content": "x"}]}', "chat", "string 'role'"),
             (b"{}", "chat", "'messages' is required")]:

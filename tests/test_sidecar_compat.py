@@ -248,3 +248,98 @@ def test_request_id_and_other_endpoints_pass_through(pair: Pair) -> None:
                 permission.pop("id", None)
                 permission.pop("created", None)
     assert through == direct
+
+
+def post_raw(client: openai.OpenAI, path: str, raw: bytes,
+             headers: dict[str, str] | None = None) -> tuple[int, str, bytes]:
+    """Status, content type and body of a POST of ``raw`` (bytes the openai client would not
+    send: lone surrogates, loose JSON types)."""
+    root = str(client.base_url).rstrip("/").removesuffix("/v1")
+    req = urllib.request.Request(root + path, data=raw,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.headers.get("Content-Type", ""), r.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers.get("Content-Type", ""), exc.read()
+
+
+def answer_seen(status: int, content_type: str, data: bytes) -> dict[str, Any]:
+    """What must match between vLLM and the sidecar: the status, the kind of body, and an
+    error's shape (its keys, type, param and code; the words may differ)."""
+    seen: dict[str, Any] = {"status": status, "type": content_type.split(";")[0]}
+    if status != 200:
+        error = json.loads(data)["error"]
+        seen["error"] = {"keys": sorted(error), "type": error["type"],
+                         "param": error["param"], "code": error["code"]}
+    elif seen["type"] == "application/json":
+        seen["choices"] = len(json.loads(data)["choices"])
+    else:
+        seen["done"] = data.endswith(b"data: [DONE]\n\n")
+    return seen
+
+
+CHAT = "/v1/chat/completions"
+INPUTS: dict[str, tuple[str, bytes]] = {
+    # a lone surrogate, as a JSON escape: vLLM's tokenizer refuses it (400)
+    "surrogate": ("/v1/completions",
+                  b'{"model":"tiny","prompt":"ab\\ud800cd","max_tokens":2}'),
+    "surrogate_chat": (CHAT, b'{"model":"tiny","messages":[{"role":"user","content":'
+                             b'"ab\\udfff"}],"max_tokens":2}'),
+    # truncate_prompt_tokens with a prompt over max_model_len: vLLM truncates it (200)
+    "truncate_over_length": ("/v1/completions", json.dumps(
+        {"model": "tiny", "prompt": words(1500), "max_tokens": 2,
+         "truncate_prompt_tokens": 100}).encode()),
+    "truncate_all_but_one": ("/v1/completions", json.dumps(
+        {"model": "tiny", "prompt": words(1500), "max_tokens": 2,
+         "truncate_prompt_tokens": -1}).encode()),
+    "truncate_chat": (CHAT, json.dumps(
+        {"model": "tiny", "messages": [{"role": "user", "content": words(1500)}],
+         "max_tokens": 2, "truncate_prompt_tokens": "100"}).encode()),
+    "truncate_many_chars": ("/v1/completions", json.dumps(
+        {"model": "tiny", "prompt": "ab" * 100_000, "max_tokens": 2,
+         "truncate_prompt_tokens": 10}).encode()),
+    "truncate_over_max_model_len": ("/v1/completions", json.dumps(
+        {"model": "tiny", "prompt": "x", "max_tokens": 2,
+         "truncate_prompt_tokens": MAX_MODEL_LEN + 1}).encode()),
+    # loose JSON types vLLM's pydantic models coerce (200) or refuse (400)
+    "max_tokens_string": ("/v1/completions", json.dumps(
+        {"model": "tiny", "prompt": "x", "max_tokens": "16"}).encode()),
+    "max_tokens_true": ("/v1/completions", json.dumps(
+        {"model": "tiny", "prompt": "x", "max_tokens": True}).encode()),
+    "n_float": ("/v1/completions", json.dumps(
+        {"model": "tiny", "prompt": "x", "max_tokens": 2, "n": 4.0}).encode()),
+    "best_of_string": ("/v1/completions", json.dumps(
+        {"model": "tiny", "prompt": "x", "max_tokens": 2, "best_of": " 1 "}).encode()),
+    "stream_one": ("/v1/completions", json.dumps(
+        {"model": "tiny", "prompt": "x", "max_tokens": 2, "stream": 1}).encode()),
+    "stream_yes": ("/v1/completions", json.dumps(
+        {"model": "tiny", "prompt": "x", "max_tokens": 2, "stream": "yes"}).encode()),
+    "include_usage_string": ("/v1/completions", json.dumps(
+        {"model": "tiny", "prompt": "x", "max_tokens": 2, "stream": True,
+         "stream_options": {"include_usage": "true"}}).encode()),
+    "max_completion_tokens_string": (CHAT, json.dumps(
+        {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+         "max_completion_tokens": "3"}).encode()),
+    "stream_two": ("/v1/completions", json.dumps(
+        {"model": "tiny", "prompt": "x", "max_tokens": 2, "stream": 2}).encode()),
+    "n_null": ("/v1/completions", json.dumps(
+        {"model": "tiny", "prompt": "x", "max_tokens": 2, "n": None}).encode()),
+    "n_fraction": ("/v1/completions", json.dumps(
+        {"model": "tiny", "prompt": "x", "max_tokens": 2, "n": 1.5}).encode()),
+}
+
+
+@pytest.mark.parametrize("case", list(INPUTS))
+def test_inputs_vllm_accepts_or_refuses_answered_the_same(pair: Pair, case: str) -> None:
+    path, raw = INPUTS[case]
+    direct, through = both(pair, lambda c: answer_seen(*post_raw(c, path, raw)))
+    assert through == direct
+
+
+def test_long_request_headers_accepted_like_vllm(pair: Pair) -> None:
+    raw = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 2}).encode()
+    bearer = {"Authorization": "Bearer " + "j" * 9000}  # an auth gateway's token
+    direct, through = both(pair, lambda c: answer_seen(*post_raw(c, "/v1/completions", raw,
+                                                                  bearer)))
+    assert through == direct == {"status": 200, "type": "application/json", "choices": 1}

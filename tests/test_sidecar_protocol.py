@@ -30,7 +30,16 @@ from tests.test_sidecar import (
     sample,
     until,
 )
-from tests.test_sidecar_limits import AUTH, TOKEN, closed_by_server, error_of, raw_connect, trips
+from tests.test_sidecar_limits import (
+    AUTH,
+    TOKEN,
+    FakeReplica,
+    closed_by_server,
+    error_of,
+    fake_replicas,
+    raw_connect,
+    trips,
+)
 
 
 # ------------------------------------------------------------------ 5. closed control plane
@@ -189,12 +198,13 @@ def test_upstream_200_that_is_not_json_is_502_and_stream_error_is_separate() -> 
                 aiohttp.ClientSession() as s:
             status, data, _ = await post(s, url, {"prompt": "x"})
             assert status == 502 and "not valid JSON" in str(error_of(data)["message"])
+            # a stream whose body is no event stream: an error before anything was sent,
+            # not its bytes under a 200
             up.faults.completion = "garbage_stream"
-            status, data, _ = await post(s, url, {"prompt": "x", "stream": True})
-            assert status == 200
-            events = data.split(b"\n\n")
-            assert events[0] == b"<html>not an event stream"
-            assert events[1].startswith(b'data: {"error"') and events[2] == b"data: [DONE]"
+            status, data, headers = await post(s, url, {"prompt": "x", "stream": True})
+            assert status == 502 and headers["Content-Type"].startswith("application/json")
+            message = str(error_of(data)["message"])
+            assert "not an event stream" in message and "<html>" in message
             assert sample(sidecar, "rlbatch:requests_total", bucket="0-128",
                           outcome="upstream_error") == 2
 
@@ -349,5 +359,153 @@ def test_responses_api_is_admitted_counted_and_streamed_untouched() -> None:
             assert status == 200 and data.endswith(b"\n\n")
             last = data.split(b"\n\n")[-2]
             assert last.startswith(b"event: error\ndata: ") and b"mid-stream" in last
+
+    asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------ degraded paths
+def test_client_facing_errors_do_not_name_upstream_addresses() -> None:
+    async def scenario() -> None:
+        async with fakes(Faults("hang")) as (up,):
+            port = up.url.rsplit(":", 1)[1]
+            settings = make_settings(("fp16", up.url), first_byte_timeout_s=0.3,
+                                     idle_timeout_s=0.3)
+            bodies: list[tuple[int, str]] = []
+            async with running_sidecar(settings, ready=False) as (url, sidecar), \
+                    aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s:
+                await until(lambda: sidecar.ready)
+                for fault, stream in (("hang", False), ("hang", True), ("drop", False),
+                                      ("error500", False), ("garbage_stream", True),
+                                      ("stall_midstream", True)):
+                    up.faults = Faults(fault, tokens=5)
+                    status, data, _ = await post(s, url, {"prompt": "x", "stream": stream})
+                    bodies.append((status, data.decode()))
+                await up.stop()  # gone: connections refused
+                status, data, _ = await post(s, url, {"prompt": "x"})
+                bodies.append((status, data.decode()))
+                await until(lambda: not sidecar.upstreams[0].healthy)
+                for path in ("/v1/completions", "/tokenize"):
+                    status, data, _ = await post(s, url, {"prompt": "x"}, path)
+                    bodies.append((status, data.decode()))
+                async with s.get(url + "/ready") as r:
+                    bodies.append((r.status, await r.text()))
+            assert [b[0] for b in bodies] == [504, 504, 502, 503, 502, 200, 503, 503, 503, 503]
+            for _, text in bodies:
+                assert "fp16#0" in text or "no reachable upstream" in text, text
+                assert "127.0.0.1" not in text and f":{port}" not in text, text
+
+    asyncio.run(scenario())
+
+
+def test_failed_admin_logins_and_shutdown_are_logged(caplog: pytest.LogCaptureFixture) -> None:
+    async def scenario() -> None:
+        async with fakes(Faults()) as (up,):
+            settings = make_settings(("fp16", up.url), admin_token=TOKEN)
+            async with running_sidecar(settings) as (url, _), aiohttp.ClientSession() as s:
+                async with s.post(url + "/admin/controller", json={"controller": "static:1"},
+                                  headers={"Authorization": "Bearer guess"}) as r:
+                    assert r.status == 401
+                async with s.get(url + "/admin/state") as r:
+                    assert r.status == 401
+
+    with caplog.at_level(logging.INFO, logger="rlbatch.sidecar"):
+        asyncio.run(scenario())
+    refused = [r for r in caplog.records if "admin" in r.getMessage()
+               and r.levelno == logging.WARNING]
+    assert [r.getMessage().split(" from ")[0] for r in refused] == [
+        "admin request POST /admin/controller refused: wrong bearer token",
+        "admin request GET /admin/state refused: no bearer token"]
+    assert all("127.0.0.1" in r.getMessage() and TOKEN not in r.getMessage()
+               and "guess" not in r.getMessage() for r in refused)
+    messages = [r.getMessage() for r in caplog.records]
+    assert "sidecar stopping" in messages and "sidecar stopped" in messages
+
+
+def test_boolean_flags_help_says_what_the_default_is() -> None:
+    import argparse
+
+    from rlbatch.commands.serve import _DefaultsHelp, add_arguments
+
+    parser = argparse.ArgumentParser(formatter_class=_DefaultsHelp)
+    add_arguments(parser)
+    text = " ".join(parser.format_help().split())
+    for flag, default in (("gpu-telemetry", "on"), ("cold-start", "on"), ("shadow", "off")):
+        start = text.index(f"--{flag}, --no-{flag}")
+        entry = text[start:text.index(" --", start + len(flag) * 2 + 10)]
+        assert "(default: True)" not in entry and "(default: False)" not in entry, entry
+        assert f"(default: {default}" in entry, entry
+
+
+def test_long_headers_accepted_and_a_head_over_the_bound_answered_json_431() -> None:
+    async def scenario() -> None:
+        async with fake_replicas(FakeReplica()) as (up,), \
+                running_sidecar(make_settings(("fp16", up.url))) as (url, sidecar):
+            async with aiohttp.ClientSession() as s, s.post(
+                    url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                    headers={"Authorization": "Bearer " + "j" * 9000}) as r:
+                assert r.status == 200
+            secret = b"s3cr3t" * 12_000
+            reader, writer = await raw_connect(url)
+            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + secret
+                         + b"\r\n\r\n")
+            await writer.drain()
+            answer = await closed_by_server(reader)
+            writer.close()
+            assert answer.startswith(b"HTTP/1.1 431 "), answer[:100]
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert b"Content-Type: application/json" in head
+            error = error_of(body)
+            assert error["code"] == 431 and "65536" in str(error["message"])
+            assert b"s3cr3t" not in answer
+            assert trips(sidecar, "header_size") == 1
+
+    asyncio.run(scenario())
+
+
+def test_loose_json_types_coerced_as_vllms_pydantic_models_do() -> None:
+    from pydantic import TypeAdapter, ValidationError
+
+    from rlbatch.sidecar.openai import BadRequest, lax_bool, lax_int
+
+    values: list[object] = [
+        None, True, False, 0, 1, 2, -3, 2**70, 4.0, 4.5, 1e19, -1e19, float("nan"),
+        float("inf"), "16", " 16 ", "\t16\n", "16\xa0", "16.0", "16.00", "16.", ".0", "16.5",
+        "+5", "-3", "0016", "1_000", "1_", "_1", "1__0", "1e1", "0x10", "١٢", "", "true",
+        "True", "TRUE", "yes", "Yes", "on", "oN", "t", "y", "off", "no", "n", "f", "false",
+        "1", "0", " true ", "false ", "1.0", [], {}, [1]]
+    for value, optional in ((v, o) for v in values for o in (True, False)):
+        for ours, tp in ((lax_int, int), (lax_bool, bool)):
+            adapter = TypeAdapter(tp | None if optional else tp)
+            try:
+                expected: object = adapter.validate_python(value)
+            except ValidationError as exc:
+                expected = exc.errors()[0]["type"]
+            try:
+                got: object = ours(value, "field", optional=optional)
+            except BadRequest as exc:
+                got = exc.kind
+            assert got == expected and type(got) is type(expected), (value, tp, optional)
+
+
+def test_lone_surrogate_in_a_prompt_is_a_400_not_a_500() -> None:
+    async def scenario() -> None:
+        async with fakes(Faults()) as (up,), \
+                running_sidecar(make_settings(("fp16", up.url))) as (url, _), \
+                aiohttp.ClientSession() as s:
+            for path, raw in (
+                    ("/v1/completions", b'{"prompt": "ab\\ud800cd", "max_tokens": 2}'),
+                    ("/v1/completions", b'{"prompt": ["ok", "\\uDFFF"], "max_tokens": 2}'),
+                    ("/v1/chat/completions",
+                     b'{"messages": [{"role": "user", "content": "\\ud83d"}]}'),
+                    ("/v1/responses", b'{"input": "\\ud800", "instructions": "x"}')):
+                status, data, headers = await post(s, url, raw, path)
+                assert status == 400 and headers["Content-Type"] == "application/json", data
+                error = error_of(data)
+                assert error["type"] == "BadRequestError" and error["param"] is None
+                assert "surrogate" in str(error["message"])
+            # a surrogate pair is a character: served
+            status, data, _ = await post(s, url, b'{"prompt": "\\ud83d\\ude00", "max_tokens": 2}')
+            assert status == 200, data
+            assert up.counters.requests == 1
 
     asyncio.run(scenario())

@@ -11,7 +11,8 @@ Routes
     the sidecar's Prometheus metrics (:mod:`rlbatch.sidecar.prom`).
 ``GET /health``
     200 while the process serves (liveness); ``GET /ready``: 200 once every pool has a
-    reachable upstream and the controller is in charge, else 503 with the reason.
+    healthy upstream and the controller is in charge (with ``out``: the replicas out and
+    why, when some are), else 503 with the reason.
 ``POST /tokenize``, ``POST /detokenize``, ``GET /version``
     passed through to a reachable upstream (they carry no generation load).
 ``GET /admin/state``, ``POST /admin/controller`` (``{"controller": "static:8"}``)
@@ -65,6 +66,7 @@ from rlbatch.sidecar.policy_files import (
     policy_path_of,
 )
 from rlbatch.sidecar.proxy import UPSTREAM_FAILURES, CompletionProxy
+from rlbatch.sidecar.relay import failure_text, read_lead, relay_body
 from rlbatch.sidecar.service import Sidecar
 from rlbatch.sidecar.settings import SidecarSettings
 
@@ -99,16 +101,17 @@ class ServiceRoutes:
         self.proxy = proxy
         self.retry_after = proxy.retry_after
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, request: web.Request) -> web.StreamResponse:
         """``GET /v1/models``: the first reachable upstream's answer.
 
         :param request: the request.
         """
         return await self.pass_through(request)
 
-    async def pass_through(self, request: web.Request) -> web.Response:
-        """The request as it is to the first reachable upstream, its answer back (body
-        within the sidecar's body limits; the upstream's answer within the idle limit).
+    async def pass_through(self, request: web.Request) -> web.StreamResponse:
+        """The request as it is to the first reachable upstream, its answer back as it
+        arrives (body within the sidecar's body limits; the upstream's answer within the
+        idle limit).
 
         :param request: the request.
         """
@@ -126,18 +129,23 @@ class ServiceRoutes:
             if target is None:
                 return json_error(503, "no reachable upstream", "service_unavailable",
                                   headers=self.retry_after)
-            timeout = aiohttp.ClientTimeout(total=sc.settings.idle_timeout_s,
+            timeout = aiohttp.ClientTimeout(sock_read=sc.settings.idle_timeout_s,
                                             connect=sc.settings.connect_timeout_s)
             try:
                 async with sc.session.request(request.method, target.url + request.path,
                                               data=body or None, timeout=timeout,
                                               headers=self.proxy.headers(request)) as resp:
-                    data = await resp.read()
-                    return web.Response(status=resp.status, body=data,
-                                        content_type=resp.content_type or "application/json")
+                    lead, whole = await read_lead(resp)
+                    if whole:
+                        return web.Response(status=resp.status, body=lead, content_type=(
+                            resp.content_type or "application/json"))
+                    relayed = await relay_body(request, resp, lead, sc.settings.idle_timeout_s)
+                    return relayed.out
             except UPSTREAM_FAILURES as exc:
+                _LOG.warning("upstream %s (%s) failed a pass-through %s %s: %s", target.name,
+                             target.url, request.method, request.path, exc)
                 return json_error(503, f"upstream {target.name} failed: "
-                                  f"{exc or type(exc).__name__}", "service_unavailable",
+                                  f"{failure_text(exc)}", "service_unavailable",
                                   headers=self.retry_after)
         finally:
             self.proxy.release(held)
@@ -165,10 +173,15 @@ class ServiceRoutes:
         """
         sc = self.sc
         missing = [p for p in sc.pools if not sc.dispatch.pool_available(p)]
+        out = {u.name: u.down_reason for u in sc.upstreams if not u.healthy}
         if sc.ready and not missing:
-            return web.json_response({"status": "ready",
-                                      "controller": sc.control.controller.name})
-        reason = sc.not_ready_reason or f"no reachable upstream in pool(s) {', '.join(missing)}"
+            answer: dict[str, Any] = {"status": "ready",
+                                      "controller": sc.control.controller.name}
+            if out:
+                answer["out"] = out
+            return web.json_response(answer)
+        reason = sc.not_ready_reason or (f"no healthy upstream in pool(s) {', '.join(missing)}: "
+                                         + "; ".join(out.values()))
         return web.json_response({"status": "not ready", "reason": reason}, status=503)
 
     def _admin_refusal(self, request: web.Request) -> web.Response | None:
@@ -177,8 +190,12 @@ class ServiceRoutes:
             return json_error(403, "admin endpoints are off: start the sidecar with "
                               "--admin-token (or $RLBATCH_ADMIN_TOKEN) to use them",
                               "permission_error")
-        given = request.headers.get("Authorization", "").encode()
-        if not hmac.compare_digest(given, f"Bearer {token}".encode()):
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            # who tried, never what they sent (a near miss of the token is a secret too)
+            _LOG.warning("admin request %s %s refused: %s bearer token from %s",
+                         request.method, request.path, "wrong" if given else "no",
+                         request.remote)
             return json_error(401, "admin endpoints need 'Authorization: Bearer TOKEN'",
                               "authentication_error")
         return None
@@ -282,7 +299,9 @@ def create_app(settings: SidecarSettings, controller: Controller, *,
         settings.upstreams)
     guard = ConnectionGuard(settings.max_connections
                             or default_max_connections(upstream_connections),
-                            settings.header_timeout_s, sidecar.metrics)
+                            settings.header_timeout_s, sidecar.metrics,
+                            keepalive_timeout_s=settings.keepalive_timeout_s,
+                            max_header_bytes=settings.max_header_bytes)
     app = web.Application(client_max_size=settings.max_body_bytes)
     app[SIDECAR] = sidecar
     app[GUARD] = guard
@@ -291,7 +310,9 @@ def create_app(settings: SidecarSettings, controller: Controller, *,
         # /metrics and /admin/* on their own port, which the Service does not expose
         control = web.Application(client_max_size=64 * 1024)
         control[GUARD] = ConnectionGuard(CONTROL_CONNECTIONS, settings.header_timeout_s,
-                                         sidecar.metrics)
+                                         sidecar.metrics,
+                                         keepalive_timeout_s=settings.keepalive_timeout_s,
+                                         max_header_bytes=settings.max_header_bytes)
         app[CONTROL_APP] = control
 
     def add(target: web.Application, method: str, path: str, handler: Handler) -> None:
@@ -313,7 +334,7 @@ def create_app(settings: SidecarSettings, controller: Controller, *,
     for served in {id(app): app, id(control): control}.values():
         # last: any other path answers vLLM's JSON 404 (a route, not a middleware: no
         # cost on the request path)
-        served.router.add_route("*", CATCH_ALL, not_found(served))
+        add(served, "*", CATCH_ALL, not_found(served))
     app.cleanup_ctx.append(sidecar.lifespan)
     return app
 
@@ -332,23 +353,30 @@ async def serve(app: web.Application, settings: SidecarSettings, *,
     """
     stop = stop or asyncio.Event()
     log = logging.getLogger("aiohttp.access") if access_log else None
-    # after an answer that left the body unread (413, 408), read and drop the rest for at
-    # most lingering_time, then close
-    runner = web.AppRunner(app, handler_cancellation=True,
-                           keepalive_timeout=settings.keepalive_timeout_s, lingering_time=1.0,
-                           access_log=log)
+    # After an answer that left the body unread (413, 408), read and drop the rest for at
+    # most lingering_time, then close. The connection guard keeps the keep-alive, header and
+    # head-size bounds: aiohttp's keep-alive timer would close a head still arriving, so it
+    # only backs the guard's up, and its per-line limits are no tighter than the guard's.
+    server_args: dict[str, Any] = {
+        "keepalive_timeout": settings.keepalive_timeout_s + settings.header_timeout_s,
+        "lingering_time": 1.0, "access_log": log, "max_line_size": settings.max_header_bytes,
+        "max_field_size": settings.max_header_bytes}
+    runner = web.AppRunner(app, handler_cancellation=True, **server_args)
     control = app.get(CONTROL_APP)
-    control_runner = None if control is None else web.AppRunner(
-        control, keepalive_timeout=settings.keepalive_timeout_s, lingering_time=1.0,
-        access_log=log)
+    control_runner = None if control is None else web.AppRunner(control, **server_args)
     undo_quiet = quiet_bad_requests(app[SIDECAR].metrics)
     await runner.setup()
     if control_runner is not None:
         await control_runner.setup()
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        _LOG.info("%s received", sig.name)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal, sig)
     try:
         site = GuardedSite(runner, settings.host, settings.port, app[GUARD], backlog=2048)
         await site.start()
@@ -364,6 +392,7 @@ async def serve(app: web.Application, settings: SidecarSettings, *,
         _LOG.info("sidecar listening on http://%s:%d", settings.host, settings.port)
         await stop.wait()
     finally:
+        _LOG.info("sidecar stopping")
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.remove_signal_handler(sig)
@@ -371,3 +400,4 @@ async def serve(app: web.Application, settings: SidecarSettings, *,
             await control_runner.cleanup()
         await runner.cleanup()
         undo_quiet()
+        _LOG.info("sidecar stopped")

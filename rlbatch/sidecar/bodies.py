@@ -1,10 +1,13 @@
 """Request bodies within bounds: size, the bytes all requests hold together, and time.
 
 A body larger than ``max_body_bytes`` is answered 413. Every request inside the sidecar holds
-its body until it is answered; together they share ``max_held_bytes``, reserved from the
-``Content-Length`` before the body is read, so a request that would pass the budget is answered
-429 with ``Retry-After`` without reading anything. A body that does not arrive within
-``body_timeout_s`` is answered 408. Each trip is counted (``rlbatch:limit_trips_total``).
+its body until it is answered; together they share ``max_held_bytes``, counted as the bytes
+arrive: a ``Content-Length`` only promises bytes, and reserving the promise let four slow
+uploads that announced the body cap hold the whole budget while sending a byte at a time. A
+request whose body does not fit what the others hold is answered 429 with ``Retry-After``
+(before reading anything when its ``Content-Length`` already says so). A body that does not
+arrive within ``body_timeout_s`` is answered 408. Each trip is counted
+(``rlbatch:limit_trips_total``).
 """
 
 from __future__ import annotations
@@ -62,49 +65,63 @@ class BodyReader:
         self.held_bytes = 0
 
     async def read(self, request: web.Request) -> tuple[bytes, int]:
-        """Read a request body within the body-size, held-bytes and body-time limits.
+        """Read a request body within the body-size, held-bytes and body-time limits, holding
+        its bytes in the budget as they arrive.
 
         :param request: the client's request.
-        :returns: the body and the bytes reserved for it (give them back with
-            :meth:`release`).
+        :returns: the body and the bytes held for it (give them back with :meth:`release`).
         :raises Refused: a limit tripped (413, 429 or 408; counted).
         """
         s = self.settings
-        metrics = self.metrics
         length = request.content_length
         if length is not None and length > s.max_body_bytes:
-            metrics.trip("body_size")
+            self.metrics.trip("body_size")
             raise Refused(self._too_large())
-        reserve = length if length is not None else s.max_body_bytes
-        if self.held_bytes + reserve > s.max_held_bytes:
-            metrics.trip("held_bytes")
-            raise Refused(json_error(
-                429, f"the sidecar holds {self.held_bytes} bytes of waiting requests; this "
-                f"request's {reserve} would pass its budget of {s.max_held_bytes} bytes "
-                f"(--max-held-bytes)", ERROR_TYPES[429], headers=self.retry_after))
-        self._hold(reserve)
+        if length is not None and self.held_bytes + length > s.max_held_bytes:
+            raise Refused(self._over_budget(length))  # cannot fit: refused unread
+        chunks: list[bytes] = []
         try:
             if request.content.is_eof():  # all there already (a small body): no timer
-                raw = await request.read()
+                await self._receive(request, chunks)
             else:
                 async with asyncio.timeout(s.body_timeout_s):
-                    raw = await request.read()
+                    await self._receive(request, chunks)
         except TimeoutError:
-            self.release(reserve)
-            metrics.trip("body_timeout")
+            self.release(sum(map(len, chunks)))
+            self.metrics.trip("body_timeout")
             response = json_error(408, f"request body not received within "
                                   f"{s.body_timeout_s:g} s", ERROR_TYPES[408])
             response.force_close()
             raise Refused(response) from None
-        except web.HTTPRequestEntityTooLarge:
-            self.release(reserve)
-            metrics.trip("body_size")
-            raise Refused(self._too_large()) from None
         except BaseException:
-            self.release(reserve)
+            self.release(sum(map(len, chunks)))
             raise
-        self._hold(len(raw) - reserve)
+        raw = b"".join(chunks)
         return raw, len(raw)
+
+    async def _receive(self, request: web.Request, chunks: list[bytes]) -> None:
+        """Append the body's chunks to ``chunks`` as they arrive, each held in the budget
+        (a slow upload holds what it sent, not what it announced)."""
+        s = self.settings
+        received = 0
+        while chunk := await request.content.readany():
+            received += len(chunk)
+            if received > s.max_body_bytes:
+                self.metrics.trip("body_size")
+                raise Refused(self._too_large())
+            if self.held_bytes + len(chunk) > s.max_held_bytes:
+                response = self._over_budget(received)
+                response.force_close()  # the rest of its body is not read
+                raise Refused(response)
+            self._hold(len(chunk))
+            chunks.append(chunk)
+
+    def _over_budget(self, size: int) -> web.Response:
+        cap = self.settings.max_held_bytes
+        self.metrics.trip("held_bytes")
+        return json_error(429, f"the sidecar holds {self.held_bytes} bytes of request bodies; "
+                          f"this request's {size} would pass its budget of {cap} bytes "
+                          f"(--max-held-bytes)", ERROR_TYPES[429], headers=self.retry_after)
 
     def _too_large(self) -> web.Response:
         cap = self.settings.max_body_bytes
@@ -118,7 +135,7 @@ class BodyReader:
         self.metrics.load.held_body_bytes = self.held_bytes
 
     def release(self, nbytes: int) -> None:
-        """Give back bytes reserved by :meth:`read`.
+        """Give back bytes held by :meth:`read`.
 
         :param nbytes: the bytes.
         """

@@ -5,17 +5,24 @@ submits its :class:`~rlbatch.sidecar.upstream.Ticket` here; :class:`~rlbatch.ser
 admission.Admission` (the simulator's per-bucket queues, caps, pool routing, queue bounds,
 over-length policy and KV budget) queues it, hands it to an :class:`~rlbatch.sidecar.upstream.
 HttpUpstream` or refuses it. A request leaving an upstream frees its slot at once and the next
-queued one is admitted. Every arrival and refusal is counted by admission, including the one
-decided here (no reachable upstream in the pool), so the tick's counters come from it alone.
+queued one is admitted. Every arrival and refusal is counted by admission, including the ones
+decided here (no reachable upstream in the pool; a full queue known before the prompt is
+counted), so the tick's counters come from it alone.
+
+The handlers report how each request went on its upstream: ``eject_after_failures`` failures
+in a row eject it (:meth:`Dispatcher.upstream_failed`), and the requests waiting for it that
+were not sent yet move to another replica of the pool.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from rlbatch.control.types import ANY_POOL
 from rlbatch.engine.stats import FinishedRequest
-from rlbatch.serving.admission import Admission, Queued, Rejected
+from rlbatch.request import Request
+from rlbatch.serving.admission import Admission, Queued, Rejected, RejectReason
 from rlbatch.sidecar.upstream import DONE, QUEUED, HttpUpstream, Ticket
 
 REFUSALS: dict[str, str] = {"too_long": "rejected_too_long", "queue_full": "rejected_queue_full",
@@ -31,16 +38,26 @@ class Dispatcher:
     :param admission: the admission layer over them.
     :param tickets: the live tickets by request id (shared with the upstreams, whose
         ``add_request`` looks them up).
+    :param eject_after_failures: failures in a row that eject an upstream.
+    :param eject_s: how long an ejected upstream gets no new requests.
+    :param on_eject: told the upstream each time one is ejected.
     """
 
     def __init__(self, upstreams: list[HttpUpstream], pools: tuple[str, ...],
-                 admission: Admission, tickets: dict[int, Ticket]) -> None:
+                 admission: Admission, tickets: dict[int, Ticket], *,
+                 eject_after_failures: int = 3, eject_s: float = 30.0,
+                 on_eject: Callable[[HttpUpstream], None] | None = None) -> None:
         self.upstreams = upstreams
         self.admission = admission
         self.tickets = tickets
         self.pools = pools
         self.by_pool = {p: [u for u in upstreams if u.pool == p] for p in self.pools}
         self.by_pool[ANY_POOL] = list(upstreams)
+        for u in upstreams:
+            u.peers = tuple(p for p in self.by_pool[u.pool] if p is not u)
+        self.eject_after_failures = eject_after_failures
+        self.eject_s = eject_s
+        self._on_eject = on_eject
 
     def pool_available(self, pool: str) -> bool:
         """Some upstream of ``pool`` is reachable.
@@ -55,6 +72,87 @@ class Dispatcher:
         :param bucket: bucket index.
         """
         return self.admission.routes[bucket]
+
+    def refused_in_buckets(self, first_bucket: int, last_bucket: int) -> RejectReason | None:
+        """Whether a request would be refused in every bucket its prompt can fall in (its
+        pool unreachable or its queue full there), so counting its prompt would be wasted.
+
+        :param first_bucket: the lowest bucket its prompt can fall in.
+        :param last_bucket: the highest.
+        :returns: the reason ``first_bucket`` refuses it (``unavailable`` or ``queue_full``),
+            or ``None`` when some bucket may take it.
+        """
+        adm = self.admission
+        bound = adm.config.max_queue_len
+        first: RejectReason | None = None
+        for bucket in range(first_bucket, last_bucket + 1):
+            pool = adm.routes[bucket]
+            reason: RejectReason | None = None
+            if not self.pool_available(pool):
+                reason = "unavailable"
+            elif bound is not None:
+                if adm.caps[bucket] is None and adm.late_after_s is None:  # straight in
+                    queued = sum(e.num_waiting(bucket) for e in adm.engines_of(pool))
+                else:
+                    queued = len(adm.queues[bucket])
+                reason = "queue_full" if queued >= bound else None
+            if reason is None:
+                return None
+            first = first or reason
+        return first
+
+    def refuse(self, request: Request, reason: RejectReason) -> str:
+        """Count a request refused before it was submitted; the outcome it left with.
+
+        :param request: the request.
+        :param reason: why.
+        """
+        return REFUSALS[self.admission.refuse(request, reason).reason]
+
+    def upstream_ok(self, upstream: HttpUpstream) -> None:
+        """A request went through ``upstream`` (answered, errors of the client included).
+
+        :param upstream: the upstream.
+        """
+        upstream.failures = 0
+
+    def upstream_failed(self, upstream: HttpUpstream, reason: str) -> None:
+        """A request failed on ``upstream`` (before the ticket leaves it): after
+        ``eject_after_failures`` in a row it is ejected, unless it is the last available
+        replica of its pool (ejecting that one would answer every request 503), and the
+        requests waiting for it move to another replica.
+
+        :param upstream: the upstream.
+        :param reason: what failed (no URL).
+        """
+        upstream.failures += 1
+        if upstream.failures < self.eject_after_failures or not upstream.healthy:
+            return
+        if not any(p.healthy for p in upstream.peers):
+            return
+        upstream.eject(self.eject_s, reason)
+        if self._on_eject is not None:
+            self._on_eject(upstream)
+        for ticket in upstream.waiting_tickets():
+            if not self._move(ticket):
+                break
+
+    def _move(self, ticket: Ticket) -> bool:
+        """Move a request not sent yet from its upstream's FIFO to another replica with room
+        for its bucket; ``False`` when there is none. Its handler keeps waiting on the same
+        future, which the new upstream resolves when it runs it."""
+        held = ticket.upstream
+        assert held is not None, "moving a request no upstream holds"
+        engine = self.admission.least_loaded(held.pool, bucket=ticket.bucket,
+                                             exclude=ticket.tried | self._unreachable()
+                                             | {held.engine_id})
+        if engine is None:
+            return False
+        prompt, truncated = ticket.prompt_tokens, ticket.truncated
+        held.release(ticket)
+        self.upstreams[engine.engine_id].add_request(ticket.request, ticket.bucket, prompt,
+                                                      truncated)
+        return True
 
     def submit(self, ticket: Ticket) -> str | None:
         """Hand a new request to admission.
@@ -122,9 +220,10 @@ class Dispatcher:
         self.finish(ticket, None)
 
     def retry_target(self, ticket: Ticket) -> HttpUpstream | None:
-        """Move a request that failed on its upstream (nothing sent to the client yet) to
-        another reachable replica of the same pool that has room for its bucket under the
-        cap in force; ``None`` when there is none (the caller answers 503).
+        """Move a request that failed on its upstream, or was not sent to it yet and the
+        upstream is out now (nothing sent to the client yet), to another reachable replica of
+        the same pool that has room for its bucket under the cap in force; ``None`` when
+        there is none (the caller answers 503).
 
         :param ticket: the failed request (still held by its upstream).
         """

@@ -7,11 +7,14 @@ to ``max_model_len + 1`` tokens: "at least"), and a prompt of exactly ``max_mode
 leaves ``max_tokens`` 0; prompt + ``max_tokens`` over ``max_model_len`` only shortens the
 output. The sidecar's own ``truncate`` / ``reject`` policies answer in its words, naming the
 field to change. :class:`PromptSizer` counts a request's prompt tokens (timed, visible in
-``rlbatch:requests_counting`` while it runs) after vLLM's character check.
+``rlbatch:requests_counting`` while it runs) after vLLM's character check, which vLLM skips
+for a request that truncates its own prompt (``truncate_prompt_tokens``): such a prompt
+counts as the tokens vLLM keeps of it.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 from aiohttp import web
@@ -58,6 +61,22 @@ def too_many_tokens(parsed: ParsedRequest, prompt_tokens: int, limit: int) -> we
         f"(parameter=input_tokens, value={shown})", ERROR_TYPES[400], param="input_tokens")
 
 
+def truncation_too_large(keep: int, limit: int) -> web.Response:
+    """vLLM's 400 for a ``truncate_prompt_tokens`` over ``max_model_len``.
+
+    :param keep: the client's ``truncate_prompt_tokens``.
+    :param limit: ``max_model_len``.
+    """
+    return json_error(
+        400, f"truncate_prompt_tokens={keep} cannot be greater than max_model_len = {limit}. "
+        f"Please request a smaller truncation size. (parameter=truncate_prompt_tokens, "
+        f"value={keep})", ERROR_TYPES[400], param="truncate_prompt_tokens")
+
+
+SPECIAL_TOKENS = 16
+"""Tokens a tokenizer may add to a text beyond one per byte (BOS, EOS, prefixes)."""
+
+
 def over_policy(parsed: ParsedRequest, prompt_tokens: int, max_output_tokens: int,
                 limit: int, policy: str) -> web.Response:
     """The 400 of the sidecar's own ``truncate`` / ``reject`` policies.
@@ -91,16 +110,46 @@ class PromptSizer:
         self.sc = sidecar
         self._timers: dict[str, Histogram] = {}
 
+    def token_bounds(self, parsed: ParsedRequest, limit: int) -> tuple[int, int]:
+        """The fewest and the most tokens the request's prompt can count, without counting
+        it: a token spans at most ``max_chars_per_token`` characters and at least one byte
+        of a text (a chat template adds tokens of its own: no most for chat).
+
+        :param parsed: the request.
+        :param limit: ``max_model_len``.
+        """
+        unbounded = 2 * limit  # past any bucket that matters: over-length
+        fewest = most = 1
+        for p in parsed.prompts:
+            if p.token_ids is not None:
+                low = high = p.token_ids
+            else:
+                low = math.ceil(p.size_chars / self.sc.max_chars_per_token)
+                high = (len(p.text.encode()) + SPECIAL_TOKENS if p.messages is None
+                        else unbounded)
+            fewest, most = max(fewest, low), max(most, high)
+        kept = parsed.kept_tokens(limit)
+        if kept is not None:
+            fewest, most = min(fewest, kept), min(most, kept)
+        return max(1, fewest), min(most, unbounded)
+
     async def count(self, parsed: ParsedRequest, limit: int) -> int | web.Response:
-        """Prompt tokens of the longest prompt, or the 400 of a prompt certainly too long
-        (more characters than ``limit`` tokens can span: vLLM's own check, done before
-        tokenising; under ``truncate`` such a prompt counts as ``limit + 1`` tokens).
+        """Prompt tokens of the longest prompt (at most what the client's own truncation
+        keeps), or the 400 of a prompt certainly too long (more characters than ``limit``
+        tokens can span: vLLM's own check, done before tokenising; under ``truncate`` such
+        a prompt counts as ``limit + 1`` tokens).
 
         :param parsed: the request.
         :param limit: ``max_model_len``.
         """
         sc = self.sc
+        keep = parsed.truncate_prompt_tokens
+        if keep is not None and keep > limit:
+            return truncation_too_large(keep, limit)
+        kept = parsed.kept_tokens(limit)
         max_chars = limit * sc.max_chars_per_token
+        if parsed.size_chars > max_chars and kept is not None:
+            return kept  # more tokens than the limit: vLLM keeps `kept` of them
         if parsed.size_chars > max_chars:
             if sc.over_length == "truncate":
                 return limit + 1
@@ -119,7 +168,7 @@ class PromptSizer:
             timer = self._timers[counter.name] = sc.metrics.tokenize_seconds.labels(
                 counter.name)
         timer.observe(time.perf_counter() - t0)
-        return tokens
+        return tokens if kept is None else min(tokens, kept)
 
     def refuse(self, prompt_tokens: int, arrival: float) -> None:
         """Count a request refused for its length before admission saw it.

@@ -14,11 +14,20 @@ A list of prompts (strings or token-id lists) is one request for vLLM, a batch a
 one choice per prompt; here too: it is bucketed by its longest prompt and takes one slot of
 its bucket's cap, like ``n`` > 1. ``n`` (or ``best_of``) times the number of prompts is bounded
 by ``max_sequences``.
+
+What vLLM accepts is accepted: the fields read are coerced as vLLM's pydantic models coerce
+them in their (default) lax mode (:func:`lax_int`, :func:`lax_bool`: ``"16"``, ``4.0``,
+``stream: 1``), and what they refuse is answered as vLLM answers it (400, type
+``Bad Request``, param ``body.FIELD``). ``truncate_prompt_tokens`` (the Responses API's
+``truncation: "auto"``) makes the prompt as long as vLLM will keep it. A prompt that is no
+valid Unicode text (a lone surrogate, sent as a JSON escape) is refused with vLLM's 400.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -31,6 +40,28 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 
+INT64_MAX = 2**63 - 1
+"""The largest integer pydantic reads from a float (and the bound of vLLM's integer fields)."""
+
+LAX_MESSAGES: dict[str, str] = {
+    "int_type": "Input should be a valid integer",
+    "int_parsing": "Input should be a valid integer, unable to parse string as an integer",
+    "int_from_float": "Input should be a valid integer, got a number with a fractional part",
+    "int_parsing_size": "Unable to parse input string as an integer, exceeded maximum size",
+    "finite_number": "Input should be a finite number",
+    "bool_type": "Input should be a valid boolean",
+    "bool_parsing": "Input should be a valid boolean, unable to interpret input",
+    "greater_than_equal": "Input should be greater than or equal to {limit}",
+    "less_than_equal": "Input should be less than or equal to {limit}",
+    "model_type": "Input should be a valid dictionary or instance of StreamOptions"}
+"""pydantic's words for the validation errors of the fields the sidecar reads."""
+
+_LAX_INT = re.compile(r"[+-]?[0-9]+(?:_[0-9]+)*(?:\.0+)?")
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 class BadRequest(ValueError):
     """A request body the sidecar cannot admit; answered 400 with the message.
 
@@ -38,14 +69,93 @@ class BadRequest(ValueError):
     :param param: the field, when one is to blame.
     :param limit: the sidecar bound it tripped (a ``limit`` label of
         ``rlbatch:limit_trips_total``), if any.
+    :param error_type: the error's ``type`` (vLLM's ``Bad Request`` for a field its models
+        refuse).
+    :param kind: pydantic's name of the validation error, for a field vLLM's models refuse.
     """
 
     def __init__(self, message: str, param: str | None = None,
-                 limit: str | None = None) -> None:
+                 limit: str | None = None, *, error_type: str = "BadRequestError",
+                 kind: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.limit = limit
+        self.error_type = error_type
+        self.kind = kind
+
+    @classmethod
+    def invalid(cls, kind: str, loc: str, value: object, limit: int = 0) -> BadRequest:
+        """vLLM's answer to a field its pydantic models refuse.
+
+        :param kind: pydantic's error type, a key of :data:`LAX_MESSAGES`.
+        :param loc: the field's path in the body, e.g. ``stream_options.include_usage``.
+        :param value: the value sent.
+        :param limit: the bound of a ``greater_than_equal`` / ``less_than_equal``.
+        """
+        detail = {"type": kind, "loc": f"body.{loc}",
+                  "msg": LAX_MESSAGES[kind].format(limit=limit), "input": str(value)}
+        return cls(f"1 validation error:\n  {detail}", f"body.{loc}", error_type="Bad Request",
+                   kind=kind)
+
+
+def lax_int(value: object, loc: str, *, optional: bool = True) -> int | None:
+    """``value`` as pydantic's lax mode reads an ``int`` field (``int | None`` when
+    ``optional``): booleans, integral floats and integer strings (``" 16 "``, ``"1_000"``,
+    ``"16.0"``) are integers.
+
+    :param value: the JSON value.
+    :param loc: the field's path in the body.
+    :param optional: ``None`` is accepted.
+    :raises BadRequest: refused as vLLM refuses it.
+    """
+    if value is None and optional:
+        return None
+    if isinstance(value, int):  # bool included: True is 1
+        return int(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise BadRequest.invalid("finite_number", loc, value)
+        if abs(value) > INT64_MAX:
+            raise BadRequest.invalid("int_parsing_size", loc, value)
+        if not value.is_integer():
+            raise BadRequest.invalid("int_from_float", loc, value)
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip()
+        if not _LAX_INT.fullmatch(text):
+            raise BadRequest.invalid("int_parsing", loc, value)
+        return int(text.partition(".")[0])
+    raise BadRequest.invalid("int_type", loc, value)
+
+
+def lax_bool(value: object, loc: str, *, optional: bool = True) -> bool | None:
+    """``value`` as pydantic's lax mode reads a ``bool`` field (``bool | None`` when
+    ``optional``): 0 and 1 (as numbers or strings) and ``"yes"``, ``"on"``, ``"t"``... are
+    booleans.
+
+    :param value: the JSON value.
+    :param loc: the field's path in the body.
+    :param optional: ``None`` is accepted.
+    :raises BadRequest: refused as vLLM refuses it.
+    """
+    if value is None and optional:
+        return None
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer() and abs(value) <= INT64_MAX:
+        value = int(value)
+    if isinstance(value, int):
+        if value in (0, 1):
+            return value == 1
+        raise BadRequest.invalid("bool_parsing" if abs(value) <= INT64_MAX else "bool_type",
+                                 loc, value)
+    if isinstance(value, str):
+        word = value.lower()
+        if word in _TRUE or word in _FALSE:
+            return word in _TRUE
+        raise BadRequest.invalid("bool_parsing", loc, value)
+    raise BadRequest.invalid("bool_type", loc, value)
 
 
 @dataclass(slots=True)
@@ -60,6 +170,8 @@ class ParsedRequest:
     :param wants_usage: the client asked for the final usage chunk of a stream.
     :param max_tokens: the client's output limit (``None``: vLLM's default).
     :param sequences: sequences the request asks for (``n`` times the prompts).
+    :param truncate_prompt_tokens: the client's ``truncate_prompt_tokens`` (-1: as many as
+        ``max_model_len`` leaves room for; ``None``: no truncation).
     """
 
     kind: Kind
@@ -70,6 +182,18 @@ class ParsedRequest:
     wants_usage: bool
     max_tokens: int | None
     sequences: int = 1
+    truncate_prompt_tokens: int | None = None
+
+    def kept_tokens(self, max_model_len: int) -> int | None:
+        """The most prompt tokens vLLM keeps under the client's own truncation (``None``:
+        it keeps the whole prompt), as vLLM's ``TokenizeParams`` applies it.
+
+        :param max_model_len: the upstreams' context length.
+        """
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return None
+        return max(1, max_model_len - 1 if keep < 0 else keep)
 
     @property
     def usage_key(self) -> bytes:
@@ -127,21 +251,48 @@ class ParsedRequest:
             options.pop("continuous_usage_stats", None)
             changes["stream_options"] = options
         if truncate_to is not None:
-            changes["truncate_prompt_tokens"] = truncate_to
+            keep = self.truncate_prompt_tokens  # the client's own, when it keeps fewer
+            changes["truncate_prompt_tokens"] = (truncate_to if keep is None or keep < 0
+                                                 else min(keep, truncate_to))
         if not changes:
             return self.raw
         return json.dumps({**self.body, **changes}, separators=(",", ":")).encode()
 
 
-def _int_field(body: dict[str, Any], name: str, minimum: int) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequest(f"field {name!r} must be an integer, got {type(value).__name__}", name)
-    if value < minimum:
+def _int_field(body: dict[str, Any], name: str, minimum: int, *,
+               optional: bool = True) -> int | None:
+    value = lax_int(body.get(name), name, optional=optional or name not in body)
+    if value is not None and value < minimum:
         raise BadRequest(f"field {name!r} must be >= {minimum}, got {value}", name)
     return value
+
+
+def _truncation(body: dict[str, Any], kind: Kind) -> int | None:
+    """The client's truncation, as vLLM reads it (``truncate_prompt_tokens``; the Responses
+    API's ``truncation: "auto"`` keeps what fits)."""
+    if kind == "responses":
+        return -1 if body.get("truncation") == "auto" else None
+    keep = lax_int(body.get("truncate_prompt_tokens"), "truncate_prompt_tokens")
+    if keep is not None and keep < -1:
+        raise BadRequest.invalid("greater_than_equal", "truncate_prompt_tokens", keep, -1)
+    if keep is not None and keep > INT64_MAX:
+        raise BadRequest.invalid("less_than_equal", "truncate_prompt_tokens", keep, INT64_MAX)
+    return keep
+
+
+def _check_text(raw: bytes, prompts: tuple[Prompt, ...]) -> None:
+    """Refuse a prompt that is no valid Unicode text (a lone surrogate, which only a JSON
+    escape can carry), as vLLM's tokenizer does; the counters could not encode it."""
+    if not _SURROGATE_ESCAPE.search(raw):
+        return
+    for prompt in prompts:
+        for text in (prompt.text, *(prompt.messages or ())):
+            try:
+                text.encode()
+            except UnicodeEncodeError as exc:
+                raise BadRequest(f"the prompt is not valid Unicode text: it holds a lone "
+                                 f"surrogate ({text[exc.start]!r}) at character "
+                                 f"{exc.start}") from None
 
 
 def _is_token_ids(value: Any) -> bool:
@@ -229,7 +380,7 @@ def _responses_prompt(body: dict[str, Any]) -> Prompt:
             messages.append({"role": str(role), "content": text})
         else:
             raise BadRequest(f"input[{i}] must be a string or an object", "input")
-    if body.get("background"):
+    if lax_bool(body.get("background"), "background"):
         raise BadRequest("background responses are not served through the sidecar: their "
                          "generation outlives the request, so admission could not count it",
                          "background")
@@ -261,23 +412,22 @@ def parse_request(raw: bytes, kind: Kind, max_sequences: int = 16) -> ParsedRequ
         prompts = _completion_prompts(body)
     else:
         prompts = (_chat_prompt(body) if kind == "chat" else _responses_prompt(body),)
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise BadRequest("field 'stream' must be a boolean", "stream")
+    _check_text(raw, prompts)
+    stream = bool(lax_bool(body.get("stream"), "stream"))
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
-        raise BadRequest("field 'stream_options' must be an object", "stream_options")
+        raise BadRequest.invalid("model_type", "stream_options", options)
     # a response's usage always comes with its answer: nothing to ask for or strip
-    wants_usage = kind == "responses" or bool(options and options.get("include_usage"))
+    wants_usage = kind == "responses" or bool(options and lax_bool(
+        options.get("include_usage"), "stream_options.include_usage"))
     max_tokens = _int_field(body, "max_output_tokens" if kind == "responses" else
                             "max_tokens", 1)
     if kind == "chat":
         completion = _int_field(body, "max_completion_tokens", 1)
         if completion is not None:
             max_tokens = completion
-    n = _int_field(body, "n", 1) or 1
+    # completions' n is an int that may not be null (chat's may)
+    n = _int_field(body, "n", 1, optional=kind != "completions") or 1
     best_of = _int_field(body, "best_of", 1) or 1
     for name, value in (("n", n), ("best_of", best_of)):
         if value * len(prompts) > max_sequences:
@@ -287,7 +437,8 @@ def parse_request(raw: bytes, kind: Kind, max_sequences: int = 16) -> ParsedRequ
                              "sequences")
     return ParsedRequest(kind=kind, body=body, raw=raw, prompts=prompts, stream=stream,
                          wants_usage=wants_usage, max_tokens=max_tokens,
-                         sequences=max(n, best_of) * len(prompts))
+                         sequences=max(n, best_of) * len(prompts),
+                         truncate_prompt_tokens=_truncation(body, kind))
 
 
 def completion_tokens(data: bytes, key: bytes = b'"completion_tokens":') -> int | None:

@@ -1,4 +1,5 @@
-"""The sidecar's production bounds as command-line options (``serve.py``'s "limits" group).
+"""The sidecar's production bounds as command-line options (``serve.py``'s "limits" and
+"replica health" groups).
 
 Each option is derived from the :class:`~rlbatch.sidecar.settings.SidecarSettings` field of the same
 name (:func:`rlbatch.settings.add_flags`: its type, default and docstring); every limit that trips
@@ -17,15 +18,21 @@ from rlbatch.sidecar.settings import SidecarSettings, UpstreamSpec
 
 LIMITS: tuple[str, ...] = (
     "first_byte_timeout_s", "idle_timeout_s", "header_timeout_s", "body_timeout_s",
-    "keepalive_timeout_s", "tokenize_timeout_s", "max_body_bytes", "max_held_bytes",
-    "max_sequences", "max_policy_bytes", "max_connections", "max_chars_per_token",
-    "metrics_port")
+    "keepalive_timeout_s", "tokenize_timeout_s", "tokenize_breaker_failures",
+    "tokenize_breaker_s", "max_body_bytes", "max_held_bytes", "max_header_bytes",
+    "max_event_bytes", "max_sequences", "max_policy_bytes", "max_connections",
+    "max_chars_per_token", "metrics_port")
 """The settings of the "limits" group, each a flag derived from its field."""
+
+REPLICA_HEALTH: tuple[str, ...] = ("eject_after_failures", "eject_s")
+"""The settings of the "replica health" group (passive ejection; the active check is each
+tick's ``/health``, bounded by ``--scrape-timeout-s``)."""
 
 
 def add_production_options(parser: argparse.ArgumentParser) -> None:
     """Add the "limits" option group: one flag per field of :data:`LIMITS` (its type, default
-    and docstring from :class:`SidecarSettings`), and ``--policy-dir``.
+    and docstring from :class:`SidecarSettings`), and ``--policy-dir``; and the "replica
+    health" group of :data:`REPLICA_HEALTH`.
 
     :param parser: the ``serve`` parser.
     """
@@ -38,14 +45,17 @@ def add_production_options(parser: argparse.ArgumentParser) -> None:
                        help="a folder POST /admin/controller may load ppo:PATH policies "
                             "from (repeat for more; default: none, switching to a policy "
                             "file is off)")
+    health = parser.add_argument_group("replica health (ejections counted in "
+                                       "rlbatch:upstream_ejections_total)")
+    add_flags(health, SidecarSettings, only=REPLICA_HEALTH, defaults=d)
 
 
 def production_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The :class:`SidecarSettings` fields the "limits" options set.
+    """The :class:`SidecarSettings` fields the "limits" and "replica health" options set.
 
     :param args: parsed options.
     """
-    fields: dict[str, Any] = {name: getattr(args, name) for name in LIMITS}
+    fields: dict[str, Any] = {name: getattr(args, name) for name in LIMITS + REPLICA_HEALTH}
     fields["policy_dirs"] = tuple(p.resolve() for p in args.policy_dirs)
     return fields
 

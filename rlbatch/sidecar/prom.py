@@ -62,6 +62,7 @@ name                                              type       labels
 ``rlbatch:bad_requests_total``                    counter
 ``rlbatch:prompts_truncated_total``               counter    bucket
 ``rlbatch:upstream_retries_total``                counter    pool
+``rlbatch:upstream_ejections_total``             counter    upstream
 ``rlbatch:e2e_request_latency_seconds``           histogram  bucket
 ``rlbatch:time_to_first_token_seconds``           histogram  bucket (streamed requests)
 ``rlbatch:request_queue_time_seconds``            histogram  bucket
@@ -93,12 +94,14 @@ OUTCOMES: tuple[str, ...] = ("ok", "rejected_queue_full", "rejected_too_long",
 
 LIMITS: tuple[str, ...] = (
     "body_size", "held_bytes", "header_size", "header_timeout", "body_timeout",
-    "connections", "tokenize_timeout", "tokenize_error", "upstream_connect",
-    "upstream_first_byte", "upstream_idle", "upstream_total", "json_depth", "sequences")
+    "connections", "tokenize_timeout", "tokenize_error", "tokenize_breaker",
+    "upstream_connect", "upstream_first_byte", "upstream_idle", "upstream_total", "event_size",
+    "json_depth", "sequences")
 """Every bound the sidecar enforces, as the ``limit`` label of ``rlbatch:limit_trips_total``:
 request body size, bytes held by waiting requests, header size, slow header / body,
-connection count, ``/tokenize`` time / failure (approximate count used), the upstream's
-connect / first-byte / idle / total time, JSON nesting, sequences per request."""
+connection count, ``/tokenize`` time / failure / not called while its breaker is open
+(approximate count used), the upstream's connect / first-byte / idle / total time, the size
+of one upstream stream event, JSON nesting, sequences per request."""
 
 LATENCY_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                                       10.0, 20.0, 40.0, 80.0, 160.0)
@@ -292,6 +295,9 @@ class SidecarMetrics:
         retries = Counter("rlbatch:upstream_retries", "Requests retried on another replica",
                           ["pool"], registry=reg)
         self.retries = {p: retries.labels(p) for p in pools}
+        ejections = Counter("rlbatch:upstream_ejections", "Times an upstream was ejected "
+                            "after consecutive failures", ["upstream"], registry=reg)
+        self.ejections = {u: ejections.labels(u) for u in upstream_names}
         e2e = Histogram("rlbatch:e2e_request_latency_seconds", "Arrival at the sidecar to "
                         "the last byte sent", ["bucket"], buckets=LATENCY_BUCKETS, registry=reg)
         self.e2e = [e2e.labels(name) for name in bucket_names]

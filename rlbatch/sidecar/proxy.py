@@ -46,20 +46,19 @@ from rlbatch.sidecar.openai import (
     error_body,
     parse_request,
 )
-from rlbatch.sidecar.responses import (
-    UsageStripper,
-    looks_like_json_object,
-    send,
-    take_usage,
+from rlbatch.sidecar.relay import (
+    EventSplitter,
+    EventTooLong,
+    failure_text,
+    looks_like_events,
+    read_head,
+    read_lead,
+    relay_body,
 )
+from rlbatch.sidecar.responses import StreamEdits, looks_like_json_object, send
 from rlbatch.sidecar.service import Sidecar
 from rlbatch.sidecar.upstream import QUEUED, HttpUpstream, Ticket
 from rlbatch.sidecar.watchdog import ProgressWatchdog, UpstreamTimeout
-
-RESPONSE_ENDS: tuple[bytes, ...] = (b'"type":"response.completed"',
-                                    b'"type":"response.incomplete"',
-                                    b'"type":"response.failed"')
-"""The events that end a Responses API stream (it sends no ``[DONE]``)."""
 
 PASS_HEADERS: tuple[str, ...] = ("Authorization", "X-Request-Id")
 """Client headers passed on to the upstream."""
@@ -171,13 +170,16 @@ class CompletionProxy:
             sc.metrics.bad_requests.inc()
             if exc.limit is not None:
                 sc.metrics.trip(exc.limit)
-            return json_error(400, exc.message, ERROR_TYPES[400], param=exc.param)
+            return json_error(400, exc.message, exc.error_type, param=exc.param)
         del raw  # the parsed request keeps the bytes it forwards
         if not sc.ready:
             return json_error(503, f"sidecar not ready: {sc.not_ready_reason}",
                               "service_unavailable", headers=self.retry_after)
         arrival = sc.now()
         limit = sc.max_model_len
+        refused = self._refused_uncounted(parsed, arrival, limit)
+        if refused is not None:
+            return refused
         counted = await self.sizer.count(parsed, limit)
         if isinstance(counted, web.Response):
             return counted
@@ -191,10 +193,10 @@ class CompletionProxy:
         req = Request(sc.new_request_id(), arrival, prompt_tokens, max_out)
         bucket = sc.buckets.index(prompt_tokens)
         ticket = Ticket(req, bucket, asyncio.get_running_loop().create_future())
-        refused = sc.dispatch.submit(ticket)
-        if refused is not None:
-            sc.metrics.requests[bucket, refused].inc()
-            return self._refusal(refused, ticket, parsed)
+        outcome = sc.dispatch.submit(ticket)
+        if outcome is not None:
+            sc.metrics.requests[bucket, outcome].inc()
+            return self._refusal(outcome, bucket, req, parsed)
         try:
             if ticket.state == QUEUED or not ticket.future.done():
                 try:
@@ -217,10 +219,30 @@ class CompletionProxy:
         finally:
             sc.dispatch.abandon(ticket)
 
-    def _refusal(self, outcome: str, ticket: Ticket, parsed: ParsedRequest) -> web.Response:
+    def _refused_uncounted(self, parsed: ParsedRequest, arrival: float,
+                           limit: int) -> web.Response | None:
+        """The refusal of a request that every bucket its prompt can fall in refuses (pool
+        unreachable, queue full), answered without counting its prompt (a ``/tokenize``
+        call wasted); ``None`` when it must be counted."""
         sc = self.sc
-        name = sc.bucket_names[ticket.bucket]
-        req = ticket.request
+        fewest, most = self.sizer.token_bounds(parsed, limit)
+        if most >= limit or (sc.over_length == "reject"
+                             and most + parsed.max_output_tokens(most, limit) > limit):
+            return None  # it may be too long, which its 400 must say
+        bucket = sc.buckets.index(fewest)
+        reason = sc.dispatch.refused_in_buckets(bucket, sc.buckets.index(most))
+        if reason is None:
+            return None
+        req = Request(sc.new_request_id(), arrival, fewest,
+                      parsed.max_output_tokens(fewest, limit))
+        outcome = sc.dispatch.refuse(req, reason)
+        sc.metrics.requests[bucket, outcome].inc()
+        return self._refusal(outcome, bucket, req, parsed)
+
+    def _refusal(self, outcome: str, bucket: int, req: Request,
+                 parsed: ParsedRequest) -> web.Response:
+        sc = self.sc
+        name = sc.bucket_names[bucket]
         if outcome == "rejected_queue_full":
             return json_error(429, f"admission queue of bucket {name} is full "
                               f"({sc.settings.max_queue_len} requests)", "rate_limit_exceeded",
@@ -228,8 +250,8 @@ class CompletionProxy:
         if outcome == "rejected_too_long":
             return over_policy(parsed, req.prompt_tokens, req.max_output_tokens,
                                sc.max_model_len, sc.over_length)
-        pool = sc.dispatch.route(ticket.bucket)
-        reasons = "; ".join(u.down_reason for u in sc.dispatch.by_pool[pool])
+        pool = sc.dispatch.route(bucket)
+        reasons = "; ".join(r for u in sc.dispatch.by_pool[pool] if (r := u.down_reason))
         return json_error(503, f"no reachable upstream in pool {pool} for bucket {name}: "
                           f"{reasons}", "service_unavailable", headers=self.retry_after)
 
@@ -254,11 +276,18 @@ class CompletionProxy:
         while True:
             upstream = ticket.upstream
             assert upstream is not None, "forwarding a request no upstream holds"
+            if not upstream.healthy and sc.dispatch.retry_target(ticket) is not None:
+                # out (ejected, failing its health check) since it took the request, which
+                # was not sent to it yet
+                if not ticket.future.done():
+                    await ticket.future
+                continue
             try:
                 return await self._attempt(request, parsed, ticket, upstream, path, body,
                                            headers)
             except _UpstreamFailed as exc:
                 failure = exc
+            sc.dispatch.upstream_failed(upstream, failure.message)
             if (failure.retry and ticket.upstream is upstream
                     and sc.dispatch.retry_target(ticket) is not None):
                 sc.metrics.retries[upstream.pool].inc()
@@ -275,82 +304,147 @@ class CompletionProxy:
                        headers: dict[str, str]) -> web.StreamResponse:
         """One try on one upstream; raises :class:`_UpstreamFailed` when it failed before
         the client got anything (the caller may retry elsewhere when that is safe)."""
+        splitter = EventSplitter(self.sc.settings.max_event_bytes)
+        resp, lead, whole = await self._open(parsed, upstream, path, body, headers, splitter)
+        where = f"upstream {upstream.name}"
+        if resp.status >= 500:
+            resp.close()
+            raise _UpstreamFailed(503, f"{where} answered {resp.status}: "
+                                  f"{lead[:300].decode(errors='replace')}", retry=True)
+        if resp.status == 200 and parsed.stream:
+            return await self._stream(request, resp, parsed, ticket, upstream, splitter, lead)
+        json_ok = looks_like_json_object(lead) if whole else lead.lstrip().startswith(b"{")
+        if resp.status == 200 and not json_ok:
+            resp.close()
+            raise _UpstreamFailed(502, f"{where} answered 200 with a body that is not "
+                                  f"valid JSON: {lead[:100]!r}", retry=False)
+        if not whole:
+            return await self._relay(request, resp, parsed, ticket, upstream, lead)
+        resp.release()
+        if resp.status == 200:
+            self._completed(ticket, upstream, completion_tokens(lead, parsed.usage_key), None)
+        else:
+            self.sc.metrics.requests[ticket.bucket, "upstream_client_error"].inc()
+            self.sc.dispatch.upstream_ok(upstream)
+        return web.Response(status=resp.status, body=lead,
+                            content_type=resp.content_type or "application/json")
+
+    async def _open(self, parsed: ParsedRequest, upstream: HttpUpstream, path: str,
+                    body: bytes, headers: dict[str, str],
+                    splitter: EventSplitter) -> tuple[aiohttp.ClientResponse, bytes, bool]:
+        """Send the request and read the start of the answer (a stream's first events, a
+        body whole when it is short, else its first bytes), and whether that is all of it;
+        every failure as :class:`_UpstreamFailed`."""
         sc = self.sc
         s = sc.settings
         assert sc.session is not None
-        where = f"upstream {upstream.name} ({upstream.url})"
-        dog = ProgressWatchdog(s.first_byte_timeout_s, s.idle_timeout_s)
+        where = f"upstream {upstream.name}"
+        resp: aiohttp.ClientResponse | None = None
         try:
-            async with dog:
+            async with ProgressWatchdog(s.first_byte_timeout_s, s.idle_timeout_s) as dog:
                 resp = await sc.session.post(self._url(upstream, path), data=body,
                                              headers=headers)
-                if resp.status == 200 and not parsed.stream:
-                    # vLLM sends the head with the whole answer: its body follows at once
-                    dog.progress()
-                    try:
-                        data = await resp.read()
-                    except BaseException:
-                        resp.close()
-                        raise
-        except UpstreamTimeout as exc:
+                if resp.status == 200 and parsed.stream:
+                    return resp, await self._first_events(resp, splitter, where), False
+                dog.progress()  # vLLM sends the head with the whole answer: its body follows
+                return resp, *await read_lead(resp)
+        except BaseException as exc:
+            if resp is not None:
+                resp.close()  # cancelled (client gone) too: closing makes vLLM abort it
+            if isinstance(exc, Exception) and not isinstance(exc, _UpstreamFailed):
+                raise self._open_failure(exc, upstream) from None
+            raise
+
+    def _open_failure(self, exc: Exception, upstream: HttpUpstream) -> Exception:
+        """What a failure to send a request or to read the start of its answer means."""
+        sc = self.sc
+        where = f"upstream {upstream.name}"
+        if isinstance(exc, UpstreamTimeout):
             first = exc.phase == "first_byte"
             sc.metrics.trip("upstream_first_byte" if first else "upstream_idle")
             option = "--first-byte-timeout-s" if first else "--idle-timeout-s"
-            raise _UpstreamFailed(504, f"{where}: {exc} ({option})", retry=False) from None
-        except aiohttp.ConnectionTimeoutError:
+            return _UpstreamFailed(504, f"{where}: {exc} ({option})", retry=False)
+        if isinstance(exc, EventTooLong):
+            sc.metrics.trip("event_size")
+            return _UpstreamFailed(502, f"{where} {exc}", retry=False)
+        if isinstance(exc, aiohttp.ConnectionTimeoutError):
             sc.metrics.trip("upstream_connect")
-            reason = f"{where}: could not connect within {s.connect_timeout_s:g} s"
+            reason = f"could not connect within {sc.settings.connect_timeout_s:g} s"
             upstream.mark_down(reason)
-            raise _UpstreamFailed(503, reason, retry=True) from None
-        except CONNECT_ERRORS as exc:
-            reason = f"{where} unreachable: {exc or type(exc).__name__}"
-            upstream.mark_down(reason)
-            raise _UpstreamFailed(503, reason, retry=True) from None
-        except aiohttp.ServerDisconnectedError:
-            raise _UpstreamFailed(502, f"{where} closed the connection without answering "
-                                  f"(not retried: it may have received the request)",
-                                  retry=False) from None
-        except TimeoutError:
-            raise self._total_timeout(where) from None
-        except UPSTREAM_FAILURES as exc:
-            raise _UpstreamFailed(502, f"{where} failed: {exc or type(exc).__name__}",
-                                  retry=False) from None
+            return _UpstreamFailed(503, f"{where} unreachable: {reason}", retry=True)
+        if isinstance(exc, CONNECT_ERRORS):
+            upstream.mark_down(failure_text(exc))
+            return _UpstreamFailed(503, f"{where} unreachable: {failure_text(exc)}",
+                                   retry=True)
+        if isinstance(exc, aiohttp.ServerDisconnectedError):
+            return _UpstreamFailed(502, f"{where} closed the connection without answering "
+                                   f"(not retried: it may have received the request)",
+                                   retry=False)
+        if isinstance(exc, TimeoutError):
+            return self._total_timeout(where)
+        if isinstance(exc, UPSTREAM_FAILURES):
+            return _UpstreamFailed(502, f"{where} failed: {failure_text(exc)}", retry=False)
+        return exc
+
+    async def _first_events(self, resp: aiohttp.ClientResponse, splitter: EventSplitter,
+                            where: str) -> bytes:
+        """A stream's first whole events, once it is clear the answer is an event stream:
+        another body under a 200 is the upstream's failure, answered before the client
+        gets a stream."""
+        if resp.content_type != "text/event-stream":
+            snippet = await read_head(resp, 100)
+            raise _UpstreamFailed(502, f"{where} answered a stream request with "
+                                  f"{resp.content_type or 'no content type'}, not an event "
+                                  f"stream: {snippet!r}", retry=False)
+        while True:
+            chunk = await resp.content.readany()
+            if not chunk:
+                rest = splitter.rest()
+                if rest and not looks_like_events(rest):
+                    raise _UpstreamFailed(502, f"{where} answered a stream request with a "
+                                          f"body that is not an event stream: "
+                                          f"{rest[:100]!r}", retry=False)
+                raise _UpstreamFailed(502, f"{where} ended the stream before its first "
+                                      f"event", retry=False)
+            events = splitter.feed(chunk)
+            if events:
+                break
+        if not looks_like_events(events):
+            raise _UpstreamFailed(502, f"{where} answered a stream request with a body that "
+                                  f"is not an event stream: {events[:100]!r}", retry=False)
+        return events
+
+    async def _relay(self, request: web.Request, resp: aiohttp.ClientResponse,
+                     parsed: ParsedRequest, ticket: Ticket, upstream: HttpUpstream,
+                     lead: bytes) -> web.StreamResponse:
+        """Pass a non-streamed answer on as it arrives; count it from its tail."""
+        sc = self.sc
         try:
-            if resp.status >= 500:
-                detail = await resp.read()
-                raise _UpstreamFailed(503, f"upstream {upstream.name} answered "
-                                      f"{resp.status}: "
-                                      f"{detail[:300].decode(errors='replace')}", retry=True)
-            if resp.status == 200 and parsed.stream:
-                return await self._stream(request, resp, parsed, ticket, upstream)
-            if resp.status != 200:
-                async with ProgressWatchdog(s.idle_timeout_s, s.idle_timeout_s):
-                    data = await resp.read()
-        except UpstreamTimeout as exc:
-            resp.close()
-            sc.metrics.trip("upstream_idle")
-            raise _UpstreamFailed(504, f"{where}: {exc} (--idle-timeout-s)",
-                                  retry=False) from None
-        except TimeoutError:
-            resp.close()
-            raise self._total_timeout(where) from None
-        except UPSTREAM_FAILURES as exc:
-            resp.close()
-            raise _UpstreamFailed(502, f"{where} failed: {exc or type(exc).__name__}",
-                                  retry=False) from None
+            relayed = await relay_body(request, resp, lead, sc.settings.idle_timeout_s)
         except BaseException:
             resp.close()  # cancelled (client gone): closing makes vLLM abort the request
             raise
-        resp.release()
-        if resp.status == 200:
-            if not looks_like_json_object(data):
-                raise _UpstreamFailed(502, f"{where} answered 200 with a body that is not "
-                                      f"valid JSON: {data[:100]!r}", retry=False)
-            self._completed(ticket, upstream, completion_tokens(data, parsed.usage_key), None)
+        if relayed.complete:
+            resp.release()
         else:
+            resp.close()
+        if relayed.client_gone:
+            sc.metrics.requests[ticket.bucket, "cancelled"].inc()
+        elif relayed.failure:
+            if relayed.stalled:
+                sc.metrics.trip("upstream_idle")
+            sc.metrics.requests[ticket.bucket, "upstream_error"].inc()
+            sc.dispatch.upstream_failed(upstream, f"answer cut: {relayed.failure}")
+        elif resp.status != 200:
             sc.metrics.requests[ticket.bucket, "upstream_client_error"].inc()
-        return web.Response(status=resp.status, body=data,
-                            content_type=resp.content_type or "application/json")
+            sc.dispatch.upstream_ok(upstream)
+        elif not relayed.tail.rstrip().endswith(b"}"):  # vLLM's answer is one JSON object
+            sc.metrics.requests[ticket.bucket, "upstream_error"].inc()
+            sc.dispatch.upstream_failed(upstream, "answer cut: not a whole JSON object")
+        else:
+            self._completed(ticket, upstream, completion_tokens(relayed.tail,
+                                                                parsed.usage_key), None)
+        return relayed.out
 
     def _total_timeout(self, where: str) -> _UpstreamFailed:
         """aiohttp's total time limit (``request_timeout_s``) tripped."""
@@ -360,86 +454,64 @@ class CompletionProxy:
                                f"(--request-timeout-s)", retry=False)
 
     async def _stream(self, request: web.Request, resp: aiohttp.ClientResponse,
-                      parsed: ParsedRequest, ticket: Ticket,
-                      upstream: HttpUpstream) -> web.StreamResponse:
+                      parsed: ParsedRequest, ticket: Ticket, upstream: HttpUpstream,
+                      splitter: EventSplitter, first: bytes) -> web.StreamResponse:
+        """Pass a stream on event by event, starting with its ``first`` events. The idle
+        limit counts from the last event passed on: bytes that end no event are no
+        progress."""
         sc = self.sc
         out = web.StreamResponse(status=200, headers={
             "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
             "Cache-Control": "no-cache"})
-        stripper = None if parsed.wants_usage else UsageStripper()
-        responses = parsed.kind == "responses"
-        first_s: float | None = None
-        tokens: int | None = None
-        events = 0
-        done = errored = False
-        pending = b""
-        s = sc.settings
+        edits = StreamEdits(parsed.kind == "responses", parsed.usage_key, parsed.wants_usage)
+        first_s = sc.now()
+        where = f"upstream {upstream.name}"
+        failure = ""
         try:
             if not await send(out, None, request):
                 return self._client_gone(resp, ticket, out)
-            async with ProgressWatchdog(s.first_byte_timeout_s, s.idle_timeout_s) as dog:
-                async for chunk in resp.content.iter_any():
-                    dog.progress()
-                    if first_s is None:
-                        first_s = sc.now()
-                    pending += chunk
-                    end = pending.rfind(b"\n\n")
-                    if end < 0:
-                        continue
-                    complete, pending = pending[:end + 2], pending[end + 2:]
-                    events += complete.count(b"data: ")
-                    if responses:
-                        if parsed.usage_key in complete:
-                            found = completion_tokens(complete, parsed.usage_key)
-                            tokens = found if found is not None else tokens
-                        done = done or any(end in complete for end in RESPONSE_ENDS)
-                        errored = errored or b"event: error" in complete or (
-                            b'"type":"response.failed"' in complete)
-                    elif stripper is not None:
-                        complete = stripper.feed(complete)
-                        tokens = stripper.tokens if stripper.tokens is not None else tokens
-                    elif b'"usage"' in complete:
-                        complete, found = take_usage(complete, False)
-                        tokens = found if found is not None else tokens
-                    if b"data: [DONE]" in complete:
-                        done = True
-                    if b'data: {"error"' in complete:
-                        errored = True
-                    if complete and not await send(out, complete):
-                        return self._client_gone(resp, ticket, out)
-            if stripper is not None:
-                pending = stripper.flush() + pending
-            if pending and not await send(out, pending + b"\n\n"):  # end the partial event
+            complete = first
+            idle = sc.settings.idle_timeout_s
+            async with ProgressWatchdog(idle, idle) as dog:
+                while True:
+                    if complete:
+                        dog.progress()
+                        complete = edits.edit(complete)
+                        if complete and not await send(out, complete):
+                            return self._client_gone(resp, ticket, out)
+                    chunk = await resp.content.readany()
+                    if not chunk:
+                        break
+                    complete = splitter.feed(chunk)
+            rest = edits.flush() + splitter.rest()
+            if rest and not await send(out, rest + b"\n\n"):  # end the partial event
                 return self._client_gone(resp, ticket, out)
         except UpstreamTimeout as exc:
-            resp.close()
-            sc.metrics.trip("upstream_idle" if exc.phase == "idle" else "upstream_first_byte")
-            await self._stream_error(out, f"upstream {upstream.name} ({upstream.url}) sent "
-                                     f"{exc} mid-stream", ticket, responses)
-            return out
+            sc.metrics.trip("upstream_idle")
+            failure = f"{where} sent {exc} mid-stream"
+        except EventTooLong as exc:
+            sc.metrics.trip("event_size")
+            failure = f"{where} {exc}"
         except TimeoutError:
-            resp.close()
-            failure = self._total_timeout(f"upstream {upstream.name} ({upstream.url})")
-            await self._stream_error(out, failure.message, ticket, responses)
-            return out
+            failure = self._total_timeout(where).message
         except UPSTREAM_FAILURES as exc:
-            resp.close()
-            reason = f"upstream {upstream.name} failed mid-stream: {exc or type(exc).__name__}"
-            await self._stream_error(out, reason, ticket, responses)
-            return out
+            failure = f"{where} failed mid-stream: {failure_text(exc)}"
         except BaseException:
             resp.close()  # cancelled (client gone): closing makes vLLM abort the request
             raise
-        resp.release()
-        if not done:
-            await self._stream_error(out, f"upstream {upstream.name} ended the stream "
-                                     f"without its end event", ticket, responses)
+        if not failure and not edits.done:
+            failure = f"{where} ended the stream without its end event"
+        if failure:
+            resp.close()
+            sc.dispatch.upstream_failed(upstream, failure.removeprefix(where + " "))
+            await self._stream_error(out, failure, ticket, edits.responses)
             return out
-        if errored:
+        resp.release()
+        if edits.errored:
             sc.metrics.requests[ticket.bucket, "upstream_error"].inc()
         else:
-            self._completed(ticket, upstream,
-                            tokens if tokens is not None else max(events - 1, 0), first_s)
+            tokens = edits.tokens if edits.tokens is not None else max(edits.events - 1, 0)
+            self._completed(ticket, upstream, tokens, first_s)
         await send(out, b"", eof=True)
         return out
 
@@ -479,6 +551,7 @@ class CompletionProxy:
             ttft = max(0.0, e2e - tpot * max(out_tokens - 1, 0))
         sc.metrics.e2e[ticket.bucket].observe(e2e)
         sc.metrics.requests[ticket.bucket, "ok"].inc()
+        sc.dispatch.upstream_ok(upstream)
         sc.dispatch.finish(ticket, FinishedRequest(
             request_id=req.request_id, bucket=ticket.bucket, pool=upstream.pool,
             arrival_s=req.arrival_s, prompt_tokens=ticket.prompt_tokens,

@@ -11,6 +11,61 @@ from aiohttp import web
 
 from rlbatch.sidecar.openai import completion_tokens
 
+RESPONSE_ENDS: tuple[bytes, ...] = (b'"type":"response.completed"',
+                                    b'"type":"response.incomplete"',
+                                    b'"type":"response.failed"')
+"""The events that end a Responses API stream (it sends no ``[DONE]``)."""
+
+
+class StreamEdits:
+    """What the sidecar reads from a stream's events as it passes them on (the generated
+    tokens, whether it ended with its end event or an error) and what it changes (the usage
+    chunk it asked for, taken out again when the client did not ask for it).
+
+    :param responses: a Responses API stream (its own events; usage always sent).
+    :param usage_key: the JSON key of the generated-token count.
+    :param wants_usage: the client asked for the usage chunk.
+    """
+
+    def __init__(self, responses: bool, usage_key: bytes, wants_usage: bool) -> None:
+        self.responses = responses
+        self.usage_key = usage_key
+        self.stripper = None if wants_usage else UsageStripper()
+        self.tokens: int | None = None
+        self.events = 0
+        self.done = False
+        self.errored = False
+
+    def edit(self, complete: bytes) -> bytes:
+        """The bytes to send for these whole events.
+
+        :param complete: whole events (ending in a blank line).
+        """
+        self.events += complete.count(b"data: ")
+        if self.responses:
+            if self.usage_key in complete:
+                found = completion_tokens(complete, self.usage_key)
+                self.tokens = found if found is not None else self.tokens
+            self.done = self.done or any(end in complete for end in RESPONSE_ENDS)
+            self.errored = self.errored or b"event: error" in complete or (
+                b'"type":"response.failed"' in complete)
+        elif self.stripper is not None:
+            complete = self.stripper.feed(complete)
+            found = self.stripper.tokens
+            self.tokens = found if found is not None else self.tokens
+        elif b'"usage"' in complete:
+            complete, found = take_usage(complete, False)
+            self.tokens = found if found is not None else self.tokens
+        if b"data: [DONE]" in complete:
+            self.done = True
+        if b'data: {"error"' in complete:
+            self.errored = True
+        return complete
+
+    def flush(self) -> bytes:
+        """Events held back when the stream ended (terminal chunks awaiting a usage chunk)."""
+        return self.stripper.flush() if self.stripper is not None else b""
+
 
 def looks_like_json_object(data: bytes) -> bool:
     """A cheap check that a 200 answer is a JSON object (vLLM's always is): it starts with

@@ -36,11 +36,13 @@ from rlbatch.sidecar.control_tick import (
 )
 from rlbatch.sidecar.dispatch import Dispatcher
 from rlbatch.sidecar.prom import ControlState, SidecarMetrics
-from rlbatch.sidecar.scrape import NO_LIMIT, scrape
+from rlbatch.sidecar.relay import read_head
+from rlbatch.sidecar.scrape import NO_LIMIT, check_health, scrape
 from rlbatch.sidecar.settings import SidecarSettings
 from rlbatch.sidecar.source import UpstreamSource, describe_upstreams
 from rlbatch.sidecar.tensorboard import DecisionWriter
 from rlbatch.sidecar.tokens import (
+    ANSWER_HEAD_BYTES,
     ApproxCounter,
     LocalCounter,
     PromptCounter,
@@ -88,10 +90,13 @@ class Sidecar:
         admission = Admission(engines, self.buckets, self._max_model_len or NO_LIMIT,
                               AdmissionConfig(admission_policy,
                                               settings.max_queue_len))
-        self.dispatch = Dispatcher(self.upstreams, self.pools, admission, self.tickets)
-        self.admission = admission
         self.metrics = SidecarMetrics(self.bucket_names, self.pools,
                                       tuple(u.name for u in self.upstreams), self.control_state)
+        self.dispatch = Dispatcher(self.upstreams, self.pools, admission, self.tickets,
+                                   eject_after_failures=settings.eject_after_failures,
+                                   eject_s=settings.eject_s,
+                                   on_eject=lambda u: self.metrics.ejections[u.name].inc())
+        self.admission = admission
         n = len(self.buckets)
         self.source = UpstreamSource(self.dispatch, self.describe(),
                                      ControlAction((None,) * n, (self.pools[0],) * n))
@@ -140,11 +145,14 @@ class Sidecar:
         return stats
 
     async def _scrape_all(self) -> list[str]:
+        """Scrape every upstream's ``/metrics`` and check its ``/health``; the scrape
+        failures."""
         assert self.session is not None, "scrape before the sidecar started"
         session = self.session
         timeout_s = self.settings.scrape_timeout_s
-        failures = await asyncio.gather(*(scrape(session, u, timeout_s)
-                                          for u in self.upstreams))
+        scrapes = asyncio.gather(*(scrape(session, u, timeout_s) for u in self.upstreams))
+        checks = asyncio.gather(*(check_health(session, u, timeout_s) for u in self.upstreams))
+        failures, _ = await asyncio.gather(scrapes, checks)
         for u, failure in zip(self.upstreams, failures, strict=True):
             if failure:
                 self.metrics.scrape_failures[u.name].inc()
@@ -263,7 +271,8 @@ class Sidecar:
         if mode == "approx":
             return approx
         upstream = UpstreamCounter(self.post_any, approx, s.tokenize_timeout_s,
-                                   self.metrics.trip)
+                                   self.metrics.trip, breaker_failures=s.tokenize_breaker_failures,
+                                   breaker_s=s.tokenize_breaker_s)
         if mode == "upstream":
             return upstream
         path = Path(mode)
@@ -280,7 +289,9 @@ class Sidecar:
         return counter
 
     async def post_any(self, path: str, body: bytes) -> tuple[int, bytes]:
-        """POST to a reachable upstream (any pool: they serve the same model).
+        """POST to a reachable upstream (any pool: they serve the same model); the status and
+        the first :data:`~rlbatch.sidecar.tokens.ANSWER_HEAD_BYTES` of the answer (vLLM's
+        ``/tokenize`` puts the count first and then every token id: the rest is not read).
 
         :param path: URL path.
         :param body: JSON bytes.
@@ -289,7 +300,7 @@ class Sidecar:
         target = next((u for u in self.upstreams if u.healthy), self.upstreams[0])
         async with self.session.post(target.url + path, data=body,
                                      headers={"Content-Type": "application/json"}) as resp:
-            return resp.status, await resp.read()
+            return resp.status, await read_head(resp, ANSWER_HEAD_BYTES)
 
     # ------------------------------------------------------------------ observability
     def control_state(self) -> ControlState:

@@ -98,10 +98,11 @@ class SidecarSettings:
         usage, which the ``kv_high`` rule reads, covers what it misses.
     :param kv_reserve_quantile: output quantile ``observed`` reserves.
     :param shadow: decide and log every tick but never act: no caps, every request to
-        ``shadow_pool``.
+        ``shadow_pool`` (default: off).
     :param shadow_pool: pool every request goes to in shadow mode (default: the first pool).
     :param logdir: TensorBoard log directory for the decisions (``None``: none written).
-    :param cold_start: the upstreams have just started: the guard's warm-up ramp applies.
+    :param cold_start: the upstreams have just started: the guard's warm-up ramp applies
+        (default: on; ``--no-cold-start`` for upstreams already warm).
     :param max_num_seqs: the upstreams' ``--max-num-seqs`` (vLLM does not export it).
     :param max_num_batched_tokens: the upstreams' ``--max-num-batched-tokens``.
     :param gpu: GPU profile name (or profile file) reported to the controller, from which
@@ -111,30 +112,53 @@ class SidecarSettings:
         (:mod:`rlbatch.profiles.capacity`); ``None``: estimated from ``gpu`` and ``model``
         when both name profiles, else unknown (a policy with observation version 3 then
         refuses to start).
-    :param scrape_timeout_s: time limit of one ``/metrics`` scrape.
+    :param scrape_timeout_s: time limit of one ``/metrics`` scrape, and of one ``/health``
+        check (each tick; an upstream whose ``/health`` does not answer 200 gets no new
+        requests until it does).
     :param connect_timeout_s: time limit to connect to an upstream.
     :param first_byte_timeout_s: longest wait, after a request was sent upstream, for the
-        first byte of its answer's body (a stream's first chunk; a non-streamed answer, which
+        first byte of its answer's body (a stream's first event; a non-streamed answer, which
         vLLM sends when generation is done); answered 504 when it trips.
-    :param idle_timeout_s: longest gap between two chunks of an upstream stream (and while
-        reading an answer's body); a stream that stalls longer ends with an error event.
+    :param idle_timeout_s: longest gap between two events of an upstream stream passed on
+        (bytes that do not end an event do not count), and between two chunks of an answer's
+        body; a stream that stalls longer ends with an error event.
+    :param max_event_bytes: largest event of an upstream stream held while its end is awaited
+        (vLLM sends each whole); a stream with a longer one ends with an error event.
+    :param eject_after_failures: consecutive failed requests on one upstream (unreachable,
+        connection dropped, 5xx, timeout, a body that is not the answer asked for) after which
+        it is ejected: no new requests for ``eject_s``, and the requests waiting for it move
+        to another replica. The last available replica of a pool is never ejected. After
+        ``eject_s`` it gets requests again; one more failure before a success ejects it
+        again.
+    :param eject_s: how long an ejected upstream gets no requests.
     :param request_timeout_s: a hard total limit of one upstream request (``None``: none;
         prefer the two above, which never cut a healthy long stream).
     :param max_body_bytes: largest request body accepted (413 above it).
     :param max_held_bytes: budget of request-body bytes held by the requests inside the
-        sidecar (from reading the body to the answer's end); a request that would pass it is
-        answered 429 with ``Retry-After`` before its body is read.
+        sidecar (from reading the body to the answer's end), counted as the bytes arrive (not
+        as a ``Content-Length`` announces them, so slow uploads hold only what they sent); a
+        request whose body would pass it is answered 429 with ``Retry-After`` and its
+        connection closed.
+    :param max_header_bytes: largest request head (request line and headers together); a
+        longer one is answered 431 and its connection closed (vLLM sets no bound; bearer
+        tokens of auth gateways run to several KB).
     :param header_timeout_s: a client connection must deliver a complete request head within
         this long of its first byte (slow-header connections are closed).
     :param body_timeout_s: longest time to receive a request's body (408 when it trips).
     :param keepalive_timeout_s: idle time after which a client keep-alive connection (or one
-        that never sent a request) is closed.
+        that never sent a request) is closed; once a request's head starts arriving,
+        ``header_timeout_s`` applies instead.
     :param max_connections: most client connections held at once; a new one beyond it
         closes the longest-idle connection (no request in progress), or is closed itself when
         every connection is busy. ``None``: the process' file-descriptor limit minus the
         upstream connections and a reserve.
     :param tokenize_timeout_s: time limit of one upstream ``/tokenize`` call; when it trips
         (or the call fails) the prompt is counted approximately (logged and counted).
+    :param tokenize_breaker_failures: consecutive ``/tokenize`` failures after which prompts
+        are counted approximately without calling it for ``tokenize_breaker_s`` (then one
+        call tries it again), so a hung ``/tokenize`` does not add its time limit to every
+        request.
+    :param tokenize_breaker_s: how long ``/tokenize`` is not called once the breaker opened.
     :param max_chars_per_token: the most characters one token of the model's vocabulary
         spans (an upper bound); a prompt with more than ``max_model_len`` times this many
         characters is over-length without tokenising it (vLLM's own check), and counting
@@ -146,7 +170,8 @@ class SidecarSettings:
     :param policy_dirs: folders ``POST /admin/controller`` may load ``ppo:PATH`` policies from
         (the resolved path must lie under one); empty: policy switches by path are off.
     :param max_policy_bytes: largest policy file read (``policy.json``, ``policy.safetensors``).
-    :param gpu_telemetry: read GPU memory with NVML when the sidecar sees the GPU.
+    :param gpu_telemetry: read GPU memory with NVML when the sidecar sees the GPU (default:
+        on; ``--no-gpu-telemetry`` turns it off).
     """
 
     upstreams: tuple[UpstreamSpec, ...]
@@ -180,14 +205,20 @@ class SidecarSettings:
     connect_timeout_s: float = 5.0
     first_byte_timeout_s: float = 600.0
     idle_timeout_s: float = 60.0
+    max_event_bytes: int = 16 * 2**20
+    eject_after_failures: int = 3
+    eject_s: float = 30.0
     request_timeout_s: float | None = None
     max_body_bytes: int = 16 * 2**20
     max_held_bytes: int = 64 * 2**20
+    max_header_bytes: int = 64 * 2**10
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     keepalive_timeout_s: float = 5.0
     max_connections: int | None = None
     tokenize_timeout_s: float = 5.0
+    tokenize_breaker_failures: int = 3
+    tokenize_breaker_s: float = 30.0
     max_chars_per_token: int | None = None
     max_sequences: int = 16
     admin_token: str | None = None
@@ -213,7 +244,8 @@ class SidecarSettings:
         for name in ("tick_s", "window_s", "queue_timeout_s", "approx_bytes_per_token",
                      "scrape_timeout_s", "connect_timeout_s", "first_byte_timeout_s",
                      "idle_timeout_s", "header_timeout_s", "body_timeout_s",
-                     "keepalive_timeout_s", "tokenize_timeout_s"):
+                     "keepalive_timeout_s", "tokenize_timeout_s", "eject_s",
+                     "tokenize_breaker_s"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
@@ -225,7 +257,8 @@ class SidecarSettings:
                              f"{self.request_timeout_s}")
         for name in ("max_queue_len", "max_num_seqs", "max_num_batched_tokens",
                      "tokenizer_thread_chars", "max_body_bytes", "max_held_bytes",
-                     "max_sequences", "max_policy_bytes"):
+                     "max_sequences", "max_policy_bytes", "max_header_bytes",
+                     "max_event_bytes", "eject_after_failures", "tokenize_breaker_failures"):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")

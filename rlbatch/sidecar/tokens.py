@@ -10,7 +10,10 @@ Three counters, chosen with ``--tokenizer`` (their cost is measured by
 * ``upstream``: the upstream's ``/tokenize`` (exact, chat template included; one extra
   round trip per request), bounded by a time limit; when it trips or the call fails the
   prompt is counted by ``approx`` instead, logged once per failure run and counted
-  (``rlbatch:limit_trips_total{limit="tokenize_timeout"|"tokenize_error"}``).
+  (``rlbatch:limit_trips_total{limit="tokenize_timeout"|"tokenize_error"}``). After
+  ``breaker_failures`` failures in a row a breaker stops calling it for ``breaker_s`` (each
+  request counted by ``approx`` and ``limit="tokenize_breaker"``), then lets one call try it
+  again: a hung ``/tokenize`` costs its time limit a few times, not on every request.
 * ``approx``: UTF-8 bytes / ``bytes_per_token`` (free, rough).
 
 Token-id prompts (``prompt: [ids]``) are never tokenised: their length is known.
@@ -22,6 +25,8 @@ import asyncio
 import json
 import logging
 import math
+import re
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,35 +147,72 @@ class LocalCounter:
 
 
 PostJson = Callable[[str, bytes], Awaitable[tuple[int, bytes]]]
-"""``(path, body) -> (status, body)``: a POST to some reachable upstream."""
+"""``(path, body) -> (status, the body's first ANSWER_HEAD_BYTES)``: a POST to some reachable
+upstream."""
+
+ANSWER_HEAD_BYTES = 4096
+"""Bytes of a ``/tokenize`` answer read: vLLM writes ``count`` first, then every token id
+(megabytes for a long prompt, which the count does not need)."""
+
+_COUNT = re.compile(rb'"count"\s*:\s*(\d+)')
 
 
 class UpstreamCounter:
     """The upstream's ``/tokenize`` (vLLM applies the chat template for messages). When the
     call takes longer than ``timeout_s`` or fails, the count falls back to
     :class:`ApproxCounter`: logged once per failure run, and every fallback reported to
-    ``on_fallback`` (``tokenize_timeout`` or ``tokenize_error``).
+    ``on_fallback`` (``tokenize_timeout``, ``tokenize_error``, or ``tokenize_breaker`` while
+    the breaker keeps it from being called).
 
     :param post: sends a POST to a reachable upstream.
     :param fallback: the counter used when the upstream cannot answer.
     :param timeout_s: time limit of one call.
     :param on_fallback: told the reason of each fallback.
+    :param breaker_failures: failures in a row that open the breaker.
+    :param breaker_s: how long the open breaker skips the call before one call tries it.
+    :param clock: seconds, monotonic.
     """
 
     name = "upstream"
 
     def __init__(self, post: PostJson, fallback: ApproxCounter, timeout_s: float = 5.0,
-                 on_fallback: Callable[[str], None] | None = None) -> None:
+                 on_fallback: Callable[[str], None] | None = None, *,
+                 breaker_failures: int = 3, breaker_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._post = post
         self._fallback = fallback
         self.timeout_s = timeout_s
-        self._on_fallback = on_fallback
-        self._failing = False
+        self._on_fallback = on_fallback or (lambda reason: None)
+        self.breaker_failures = breaker_failures
+        self.breaker_s = breaker_s
+        self._clock = clock
+        self._open_until: float | None = None
+        self._trying = False
         self.failures = 0
+        """Calls failed in a row."""
 
     async def count(self, prompt: Prompt) -> int:
         if prompt.token_ids is not None:
             return max(1, prompt.token_ids)
+        if self._open_until is not None and (self._trying
+                                             or self._clock() < self._open_until):
+            self._on_fallback("tokenize_breaker")  # open, or one call is trying it
+            return self._fallback.count_now(prompt)
+        self._trying = self._open_until is not None
+        try:
+            count = await self._call(prompt)
+        except Exception as exc:  # any failure: the approximate count still buckets it
+            self._failed(exc)
+            return self._fallback.count_now(prompt)
+        finally:
+            self._trying = False
+        if self.failures:
+            _LOG.info("upstream /tokenize answers again; counting prompt tokens with it")
+        self.failures = 0
+        self._open_until = None
+        return max(1, count)
+
+    async def _call(self, prompt: Prompt) -> int:
         body: dict[str, Any] = {}
         if prompt.model is not None:
             body["model"] = prompt.model
@@ -178,23 +220,25 @@ class UpstreamCounter:
             body["messages"] = prompt.raw_messages
         else:
             body["prompt"] = prompt.text
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                status, data = await self._post("/tokenize", json.dumps(body).encode())
-            if status != 200:
-                raise ValueError(f"/tokenize answered {status}: {data[:200]!r}")
-            count = int(json.loads(data)["count"])
-        except Exception as exc:  # any failure: the approximate count still buckets it
-            timed_out = isinstance(exc, TimeoutError)
-            self.failures += 1
-            if self._on_fallback is not None:
-                self._on_fallback("tokenize_timeout" if timed_out else "tokenize_error")
-            if not self._failing:
-                reason = (f"no answer within {self.timeout_s:g} s" if timed_out
-                          else str(exc) or type(exc).__name__)
-                _LOG.warning("upstream /tokenize failed (%s); counting prompt tokens "
-                             "approximately until it answers again", reason)
-            self._failing = True
-            return self._fallback.count_now(prompt)
-        self._failing = False
-        return max(1, count)
+        async with asyncio.timeout(self.timeout_s):
+            status, head = await self._post("/tokenize", json.dumps(body).encode())
+        found = _COUNT.search(head) if status == 200 else None
+        if found is None:
+            raise ValueError(f"/tokenize answered {status}: {head[:200]!r}")
+        return int(found.group(1))
+
+    def _failed(self, exc: Exception) -> None:
+        timed_out = isinstance(exc, TimeoutError)
+        self.failures += 1
+        self._on_fallback("tokenize_timeout" if timed_out else "tokenize_error")
+        reason = (f"no answer within {self.timeout_s:g} s" if timed_out
+                  else str(exc) or type(exc).__name__)
+        if self.failures == 1:
+            _LOG.warning("upstream /tokenize failed (%s); counting prompt tokens "
+                         "approximately until it answers again", reason)
+        if self.failures >= self.breaker_failures:
+            if self._open_until is None:
+                _LOG.warning("upstream /tokenize failed %d times in a row; not calling it "
+                             "for %g s at a time until it answers", self.failures,
+                             self.breaker_s)
+            self._open_until = self._clock() + self.breaker_s

@@ -10,12 +10,19 @@ from that bookkeeping and the server's ``/metrics``.
 vLLM cannot change ``max_num_seqs`` on a running server, so an engine-wide cap (``static:N``)
 is applied here: requests admitted beyond it wait in this upstream's own FIFO, as they would
 wait inside a vLLM engine with ``--max-num-seqs N``, and count as the engine's ``waiting``.
+
+An upstream takes new requests while it is **healthy**: reachable (its last scrape
+connected), its ``/health`` answered 200 at the last check, and not ejected (after
+consecutive failed requests, :meth:`HttpUpstream.eject`). Its reasons for being out name it,
+never its URL (they reach clients in 503s and ``/ready``); the logs carry the URL.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +40,8 @@ QUEUED, WAITING, RUNNING, DONE = 0, 1, 2, 3
 UNHEALTHY_LOAD = 1 << 30
 """Load an unreachable upstream reports to least-loaded routing, so it is never chosen while a
 reachable replica of its pool exists."""
+
+_LOG = logging.getLogger("rlbatch.sidecar")
 
 
 @dataclass(eq=False, slots=True)
@@ -97,8 +106,17 @@ class HttpUpstream:
                                       quantile=kv_reserve_quantile)
         self._waiting: deque[Ticket] = deque()
         self.finished: list[FinishedRequest] = []
-        self.healthy = False
-        self.down_reason = "not contacted yet"
+        self.reachable = False
+        self._unreachable = "not contacted yet"
+        self.health_failure = ""
+        self.failures = 0
+        """Requests failed in a row (a success clears it)."""
+        self._ejected_until = -math.inf
+        self._eject_reason = ""
+        self.peers: tuple[HttpUpstream, ...] = ()
+        """The other replicas of its pool (set by the dispatcher)."""
+        self.last_chosen = 0
+        """When it last took a request, as a count of the requests its pool took."""
         self.metrics: VllmMetrics | None = None
         self._at_snapshot: VllmMetrics | None = None
         self._snapshot_s = 0.0
@@ -142,7 +160,22 @@ class HttpUpstream:
         return self.unfinished[bucket] - self.running[bucket]
 
     def num_unfinished_total(self) -> int:
-        return self._total + (0 if self.healthy else UNHEALTHY_LOAD)
+        if not self.healthy:
+            return self._total + UNHEALTHY_LOAD
+        return self._total + self._tie_break()
+
+    def _tie_break(self) -> int:
+        # Admission picks the least loaded engine and breaks ties by the lowest id, which
+        # sent every request of a lightly loaded pool to its first replica. One more is
+        # reported by a replica that took a request more recently than an equally loaded
+        # peer, so among equals the least recently chosen wins (round-robin); never where one
+        # more would read as full (deadline order compares this count with max_num_seqs).
+        total = self._total
+        if total + 1 >= self.max_num_seqs:
+            return 0
+        chosen = self.last_chosen
+        return int(any(p._total == total and p.last_chosen < chosen and p.healthy
+                       for p in self.peers))
 
     def committed_tokens(self) -> int:
         return self._committed
@@ -177,6 +210,7 @@ class HttpUpstream:
                     truncated: bool) -> None:
         ticket = self._tickets[request.request_id]
         ticket.upstream = self
+        self.last_chosen = 1 + max([self.last_chosen, *(p.last_chosen for p in self.peers)])
         ticket.prompt_tokens = prompt_tokens
         ticket.truncated = truncated
         self.unfinished[bucket] += 1
@@ -275,22 +309,70 @@ class HttpUpstream:
         # a retry from another replica joins the back with an older arrival: not FIFO by age
         return max((now_s - t.request.arrival_s for t in self._waiting), default=0.0)
 
+    @property
+    def healthy(self) -> bool:
+        """Takes new requests: reachable, its ``/health`` fine, not ejected."""
+        return (self.reachable and not self.health_failure
+                and time.monotonic() >= self._ejected_until)
+
+    @property
+    def down_reason(self) -> str:
+        """Why it takes no new requests (``""`` while healthy); names it, not its URL."""
+        if not self.reachable:
+            return f"{self.name} unreachable: {self._unreachable}"
+        if self.health_failure:
+            return f"{self.name}: {self.health_failure}"
+        left = self._ejected_until - time.monotonic()
+        if left > 0:
+            return f"{self.name} {self._eject_reason} ({left:.0f} s left)"
+        return ""
+
     def observe(self, metrics: VllmMetrics) -> None:
         """A scrape succeeded: keep its readings; the server is reachable.
 
         :param metrics: the parsed page.
         """
         self.metrics = metrics
-        self.healthy = True
-        self.down_reason = ""
+        if not self.reachable and self._unreachable != "not contacted yet":
+            _LOG.info("upstream %s (%s) reachable again", self.name, self.url)
+        self.reachable = True
+        self._unreachable = ""
 
     def mark_down(self, reason: str) -> None:
         """The server could not be reached (connect error, scrape failure).
 
-        :param reason: why, for logs and ``/ready``.
+        :param reason: why, for ``/ready`` and 503s (no URL).
         """
-        self.healthy = False
-        self.down_reason = reason
+        if self.reachable:
+            _LOG.warning("upstream %s (%s) unreachable: %s", self.name, self.url, reason)
+        self.reachable = False
+        self._unreachable = reason
+
+    def health_checked(self, failure: str) -> None:
+        """The result of a ``/health`` check.
+
+        :param failure: why it failed (no URL), ``""`` when it answered 200.
+        """
+        if failure and not self.health_failure:
+            _LOG.warning("upstream %s (%s) out: %s", self.name, self.url, failure)
+        elif self.health_failure and not failure:
+            _LOG.info("upstream %s (%s) healthy again", self.name, self.url)
+        self.health_failure = failure
+
+    def eject(self, duration_s: float, last_failure: str) -> None:
+        """No new requests for ``duration_s`` after :attr:`failures` failures in a row.
+
+        :param duration_s: how long.
+        :param last_failure: the last failure (no URL).
+        """
+        self._ejected_until = time.monotonic() + duration_s
+        self._eject_reason = (f"ejected after {self.failures} consecutive failures for "
+                              f"{duration_s:g} s (last: {last_failure})")
+        _LOG.warning("upstream %s (%s) %s", self.name, self.url, self._eject_reason)
+
+    def waiting_tickets(self) -> tuple[Ticket, ...]:
+        """The requests held here by the engine-wide cap, not sent yet (oldest first)."""
+        return tuple(self._waiting)
 
     def release(self, ticket: Ticket, record: FinishedRequest | None = None) -> None:
         """A request leaves this upstream (finished, failed or cancelled); a waiting one
