@@ -18,6 +18,10 @@ Admission's queues are in deadline order: a request that can no longer meet its 
 after those that still can, and the engines are given no more requests than they run at once,
 so the waiting happens where that order applies (:mod:`rlbatch.control.discipline`;
 ``ppo:PATH[order=fifo]`` for FIFO). The settings are :class:`PpoSettings`.
+
+``PATH`` may also name a policy shipped with the package (``ppo:default``, ``ppo:two-pool``,
+``ppo:seeds/seed1``; :func:`resolve_policy`), so an installed rlbatch serves them from any
+folder.
 """
 
 from __future__ import annotations
@@ -40,6 +44,28 @@ from rlbatch.control.types import SLA, ControlAction, DeploymentInfo, Deployment
 from rlbatch.settings import apply
 
 log = logging.getLogger(__name__)
+
+SHIPPED_POLICIES = Path(__file__).resolve().parent
+"""Where the shipped policies lie: beside this module, in a checkout and once installed."""
+
+
+def resolve_policy(ref: str) -> Path:
+    """The artifact ``ppo:ref`` names: ``ref`` as a path when it exists (a path the user
+    gives wins over a shipped name), else the shipped policy of that name (``default``,
+    ``two-pool``, ``seeds/seed1``; ``policies/default`` too, the spelling of a checkout, so
+    the README's commands run from any folder once installed). Otherwise ``ref`` unchanged,
+    for :func:`~policies.artifact.load_artifact` to say what is missing.
+
+    :param ref: what follows ``ppo:``.
+    """
+    path = Path(ref)
+    if path.exists():
+        return path
+    shipped = (SHIPPED_POLICIES / ref.removeprefix("policies/")).resolve()
+    if shipped.is_relative_to(SHIPPED_POLICIES) and (shipped / "policy.json").is_file():
+        return shipped
+    return path
+
 
 def artifact_guard(artifact: PolicyArtifact) -> GuardConfig:
     """The guard a policy is served behind: the one its artifact records (the one it was
@@ -178,7 +204,8 @@ class PpoSettings:
 
 
 def ppo_factory(arg: str, settings: Mapping[str, Any]) -> PpoController:
-    """``ppo:PATH``: a folder with policy.json + policy.safetensors, or the JSON file; settings:
+    """``ppo:PATH``: a folder with policy.json + policy.safetensors, or the JSON file, or a
+    shipped policy's name (:func:`resolve_policy`); settings:
     :class:`PpoSettings`, e.g. ``ppo:policies/default[order=fifo,release=none]``,
     ``ppo:policies/default[release.wait_fraction=0.25]``.
 
@@ -187,7 +214,7 @@ def ppo_factory(arg: str, settings: Mapping[str, Any]) -> PpoController:
     """
     if not arg:
         raise ValueError("ppo needs an artifact path, e.g. ppo:policies/default")
-    artifact = load_artifact(Path(arg))
+    artifact = load_artifact(resolve_policy(arg))
     # guard.* settings change the guard the artifact records, not the default one
     cfg = apply(PpoSettings(guard=artifact_guard(artifact)), settings)
     return PpoController(artifact, name=f"ppo:{arg}", guard=cfg.guard, release=cfg.release,

