@@ -16,7 +16,12 @@ from policies.evaluation.families import (
     judge_family,
     pick_constant,
 )
-from policies.training.episodes import TRAINING_FAMILIES, family_episode, sample_episodes
+from policies.training.episodes import (
+    TRAINING_FAMILIES,
+    draw_family,
+    family_episode,
+    sample_episodes,
+)
 from policies.training.recipe import RecipeConfig
 from rlbatch.request import PREFIX_BLOCK_TOKENS
 from rlbatch.workload import resolve_workload
@@ -171,7 +176,7 @@ def test_judge_runs_name_every_static_and_constant_on_the_ladder() -> None:
 def test_family_episodes_cover_every_family_and_only_when_asked() -> None:
     cfg = RecipeConfig(traces=(), family_share=1.0, episode_s=120.0, deployments=())
     rng = np.random.default_rng(0)
-    names = {family_episode(cfg, rng, 1.0).name.split("-")[0] for _ in range(60)}
+    names = {family_episode(cfg, rng, 1.0, draw_family(rng)).name.split("-")[0] for _ in range(60)}
     assert names == {"bursty", "poisson", "rag", "drift"}
     episodes = sample_episodes(cfg, np.random.default_rng(1), 4, [])
     assert len(episodes) == 4 and all(d == 0 for d, _ in episodes)

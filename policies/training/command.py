@@ -61,11 +61,11 @@ def _deployment_list(text: str) -> tuple[str, ...]:
     return items
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
     d = TrainConfig()
     r = RecipeConfig()
     p = argparse.ArgumentParser(
-        prog="train.py", description="Train a batch-size policy on the simulator (default: "
+        prog=prog, description="Train a batch-size policy on the simulator (default: "
         "the mpc planner as teacher, a behaviour-cloned SB3 student refined by DAgger, the "
         "best checkpoint on full-length validation windows of the training traffic), export "
         "a safe policy artifact (safetensors + JSON), and judge it on traffic it never saw "
@@ -114,6 +114,11 @@ def _add_recipe_options(g: argparse._ArgumentGroup, r: RecipeConfig) -> None:
                    help="teacher workloads (behaviour cloning)")
     g.add_argument("--dagger-rounds", type=int, default=r.dagger_rounds)
     g.add_argument("--dagger-episodes", type=int, default=r.dagger_episodes)
+    g.add_argument("--dagger-focus", action=argparse.BooleanOptionalAction,
+                   default=r.dagger_focus,
+                   help="draw each DAgger round's traffic families at odds that grow with the "
+                        "student's distance from the teacher's total on each (--no-dagger-focus: "
+                        "uniformly)")
     g.add_argument("--recipe-episode-s", type=float, default=r.episode_s,
                    help="seconds of arrivals per teacher / DAgger workload")
     g.add_argument("--decision-ticks", type=int, default=r.decision_ticks,
@@ -231,6 +236,7 @@ def _recipe_config(args: argparse.Namespace, traces: tuple[str, ...],
                         pools=format_pools(args.pools), teacher=args.teacher,
                         episodes=args.episodes, episode_s=args.recipe_episode_s,
                         dagger_rounds=args.dagger_rounds, dagger_episodes=args.dagger_episodes,
+                        dagger_focus=args.dagger_focus,
                         decision_ticks=args.decision_ticks, epochs=args.epochs,
                         obs_version=args.obs_version, selection_knee=args.selection_knee,
                         mix_share=args.mix_share, selection_mixes=args.selection_mixes,
@@ -250,7 +256,7 @@ def main_distill(args: argparse.Namespace) -> int:
     try:
         cfg = _recipe_config(args, traces, out=str(out))
     except ValueError as exc:
-        print(f"train.py: error: {exc}", file=sys.stderr)
+        print(f"{args.prog}: error: {exc}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
     writer, log = tb_logger(out / "tb" / "recipe")
@@ -298,7 +304,7 @@ def main_ppo(args: argparse.Namespace) -> int:
     try:
         cfg = TrainConfig(**values)
     except ValueError as exc:
-        print(f"train.py: error: {exc}", file=sys.stderr)
+        print(f"{args.prog}: error: {exc}", file=sys.stderr)
         return 2
     result = train(cfg, progress_bar=not args.no_progress)
     print(f"trained {cfg.timesteps} steps in {result.wall_s:.0f} s; final policy "
@@ -334,7 +340,7 @@ def main_seeds(args: argparse.Namespace) -> int:
         base, spec = _base_config(args)
         runs = seed_runs(args.method, base, args.seeds or [args.seed], out)
     except ValueError as exc:
-        print(f"train.py: error: {exc}", file=sys.stderr)
+        print(f"{args.prog}: error: {exc}", file=sys.stderr)
         return 2
     try:
         print(run_seeds(runs, spec, out, ray=args.ray, compare=not args.no_compare,
@@ -353,7 +359,7 @@ def main_tune(args: argparse.Namespace) -> int:
     try:
         base, _spec = _base_config(args)
     except ValueError as exc:
-        print(f"train.py: error: {exc}", file=sys.stderr)
+        print(f"{args.prog}: error: {exc}", file=sys.stderr)
         return 2
     best, score, table = run_tune(base, args.tune, out / "tune", ray=args.ray)
     out.mkdir(parents=True, exist_ok=True)
@@ -363,8 +369,10 @@ def main_tune(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
+    """The training command (``train.py``; ``prog``: the name its usage and errors give)."""
+    args = build_parser(prog).parse_args(argv)
+    args.prog = prog
     # PPO trains in one process (SB3): Ray parallelises its seeds, so --ray implies seeds.
     if args.tune is not None:
         return main_tune(args)
@@ -373,3 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     return main_distill(args) if args.method == "distill" else main_ppo(args)
 
 
+
+
+def rlbatch_train(argv: list[str]) -> int:
+    """``rlbatch train``: :func:`main` under that name."""
+    return main(argv, prog="rlbatch train")

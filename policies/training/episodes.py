@@ -4,7 +4,7 @@ held-back window."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -50,7 +50,8 @@ def sample_workloads(cfg: EpisodeConfig, rng: np.random.Generator, n: int,
 
 
 def sample_episodes(cfg: EpisodeConfig, rng: np.random.Generator, n: int,
-                    traces: Sequence[Workload]) -> list[Episode]:
+                    traces: Sequence[Workload],
+                    family_weights: Mapping[str, float] | None = None) -> list[Episode]:
     """Training episodes: slices of the training windows (mostly near the knee) and
     generated traffic, never the held-back window, each on a deployment drawn uniformly
     from ``cfg.train_deployments()`` (no draw with one deployment) and scaled to its knee.
@@ -61,39 +62,57 @@ def sample_episodes(cfg: EpisodeConfig, rng: np.random.Generator, n: int,
     (:func:`family_episode`).
 
     :param traces: ``cfg.traces`` loaded, in order.
+    :param family_weights: relative odds of each of :data:`TRAINING_FAMILIES` (``None``:
+        uniform).
     """
-    out: list[Episode] = []
+    return [episode for _, episode in sample_tagged_episodes(cfg, rng, n, traces,
+                                                             family_weights)]
+
+
+def sample_tagged_episodes(cfg: EpisodeConfig, rng: np.random.Generator, n: int,
+                           traces: Sequence[Workload],
+                           family_weights: Mapping[str, float] | None = None
+                           ) -> list[tuple[str, Episode]]:
+    """:func:`sample_episodes`, each with its kind: a family's name (one of
+    :data:`TRAINING_FAMILIES`), ``generated`` or ``trace`` (the same draws)."""
+    out: list[tuple[str, Episode]] = []
     n_dep = len(cfg.train_deployments())
     for _ in range(n):
         deployment = int(rng.integers(n_dep)) if n_dep > 1 else 0
         multiplier = cfg.multiplier(deployment)
         # drawn only when asked, so that recipes without families keep their draws
         if cfg.family_share > 0 and rng.random() < cfg.family_share:
-            out.append((deployment, family_episode(cfg, rng, multiplier)))
+            family = draw_family(rng, family_weights)
+            out.append((family, (deployment, family_episode(cfg, rng, multiplier, family))))
             continue
         if not traces or rng.random() < cfg.generated_share:
             kind = ("bursty", "diurnal", "night", "day")[int(rng.integers(4))]
             load = float(np.exp(rng.uniform(np.log(0.8), np.log(2.0))))
-            out.append((deployment, make_scenario(kind, seed=int(rng.integers(2**31)),
-                                                  duration_s=cfg.episode_s,
-                                                  rate_scale=load * multiplier)))
+            out.append(("generated", (deployment, make_scenario(
+                kind, seed=int(rng.integers(2**31)), duration_s=cfg.episode_s,
+                rate_scale=load * multiplier))))
             continue
-        i = int(rng.integers(len(traces)))
-        trace = traces[i]
-        lo, hi = cfg.knee_rates if rng.random() < cfg.knee_share else cfg.broad_rates
-        scale = float(rng.uniform(lo, hi)) * multiplier
-        _, end = training_window(cfg.traces[i])
-        span = cfg.episode_s * scale
-        start = float(rng.uniform(0.0, max(end - span, 0.0)))
-        workload = slice_trace(trace, start, cfg.episode_s, scale)
-        # drawn only when asked, so that recipes without them keep their draws
-        if cfg.mix_share > 0 and rng.random() < cfg.mix_share:
-            low, high = cfg.mix_load
-            load = float(np.exp(rng.uniform(np.log(low), np.log(high)))) if high > low else low
-            workload = remix_at_random(workload, trace, end, DEFAULT_EDGES, rng,
-                                       token_scale=load)
-        out.append((deployment, workload))
+        out.append(("trace", (deployment, _trace_slice(cfg, rng, traces, multiplier))))
     return out
+
+
+def _trace_slice(cfg: EpisodeConfig, rng: np.random.Generator, traces: Sequence[Workload],
+                 multiplier: float) -> Workload:
+    i = int(rng.integers(len(traces)))
+    trace = traces[i]
+    lo, hi = cfg.knee_rates if rng.random() < cfg.knee_share else cfg.broad_rates
+    scale = float(rng.uniform(lo, hi)) * multiplier
+    _, end = training_window(cfg.traces[i])
+    span = cfg.episode_s * scale
+    start = float(rng.uniform(0.0, max(end - span, 0.0)))
+    workload = slice_trace(trace, start, cfg.episode_s, scale)
+    # drawn only when asked, so that recipes without them keep their draws
+    if cfg.mix_share > 0 and rng.random() < cfg.mix_share:
+        low, high = cfg.mix_load
+        load = float(np.exp(rng.uniform(np.log(low), np.log(high)))) if high > low else low
+        workload = remix_at_random(workload, trace, end, DEFAULT_EDGES, rng,
+                                   token_scale=load)
+    return workload
 
 
 def draws_slas(cfg: EpisodeConfig) -> bool:
@@ -116,13 +135,28 @@ def sample_slas(cfg: EpisodeConfig, rng: np.random.Generator, n: int) -> list[SL
 TRAINING_FAMILIES = (*FAMILIES, "drift")
 
 
-def family_episode(cfg: EpisodeConfig, rng: np.random.Generator, multiplier: float
-                   ) -> Workload:
-    """A traffic family (:mod:`rlbatch.workload.families`), drawn uniformly with ``drift``
-    (two distinct families in turn, half the episode each), at a load log-uniform in
+def draw_family(rng: np.random.Generator,
+                family_weights: Mapping[str, float] | None = None) -> str:
+    """One of :data:`TRAINING_FAMILIES`, uniformly or at ``family_weights``' relative odds
+    (families it leaves out are never drawn).
+
+    :raises ValueError: weights that are negative, not finite, or all 0.
+    """
+    if family_weights is None:
+        return TRAINING_FAMILIES[int(rng.integers(len(TRAINING_FAMILIES)))]
+    odds = np.array([float(family_weights.get(f, 0.0)) for f in TRAINING_FAMILIES])
+    if not (np.all(np.isfinite(odds)) and np.all(odds >= 0) and odds.sum() > 0):
+        raise ValueError(f"family weights must be finite, >= 0 and not all 0, got "
+                         f"{dict(family_weights)}")
+    return TRAINING_FAMILIES[int(rng.choice(len(TRAINING_FAMILIES), p=odds / odds.sum()))]
+
+
+def family_episode(cfg: EpisodeConfig, rng: np.random.Generator, multiplier: float,
+                   family: str) -> Workload:
+    """A traffic family (:mod:`rlbatch.workload.families`) or ``drift`` (two distinct
+    families in turn, half the episode each), at a load log-uniform in
     ``cfg.family_loads`` (units of the family's knee on the first deployment) times the
     deployment's multiplier; its seed is drawn from ``rng``."""
-    family = TRAINING_FAMILIES[int(rng.integers(len(TRAINING_FAMILIES)))]
     low, high = cfg.family_loads
     load = float(np.exp(rng.uniform(np.log(low), np.log(high)))) * multiplier
     seed = int(rng.integers(2**31))

@@ -46,10 +46,11 @@ from policies.training.episodes import (
     Episode,
     drawer,
     draws_slas,
-    sample_episodes,
     sample_slas,
+    sample_tagged_episodes,
 )
 from policies.training.finetune import FinetuneConfig, finetune_many, recipe_env_kwargs
+from policies.training.focus import focus_weights, total_errors
 from policies.training.ppo_trainer import eval_score, export_actor
 from policies.training.selection import validation_statics
 from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, TotalShareCodec
@@ -103,6 +104,9 @@ class RecipeConfig:
     :param sla_tpot_s: range of the SLA's TPOT limit, as ``sla_ttft_s``.
     :param dagger_rounds: DAgger rounds after behaviour cloning.
     :param dagger_episodes: workloads per DAgger round.
+    :param dagger_focus: draw each DAgger round's families at odds that grow with the
+        student's distance from the teacher's total on each family so far
+        (:mod:`policies.training.focus`); off: uniformly, as the teacher's episodes.
     :param decision_ticks: ticks between two student decisions (held in between).
     :param obs_version: student observation version.
     :param net_arch: hidden layers of the student.
@@ -165,6 +169,7 @@ class RecipeConfig:
     sla_tpot_s: tuple[float, float] = (0.025, 0.15)
     dagger_rounds: int = 2
     dagger_episodes: int = 12
+    dagger_focus: bool = True
     decision_ticks: int = 5
     obs_version: int = 5
     net_arch: tuple[int, ...] = (64, 64)
@@ -368,6 +373,12 @@ class Recipe:
         self.rng = np.random.default_rng(cfg.seed)
         self.traces = [load_trace(t) for t in cfg.traces]
         self.demos: list[Demonstrations] = []
+        """Every episode's demonstrations so far, in order."""
+        self.kinds: list[str] = []
+        """The kind of each of :attr:`demos` (a family's name, ``generated`` or ``trace``)."""
+        self.family_weights: dict[str, float] | None = None
+        """Odds of each family in the next DAgger round (``dagger_focus``; set by
+        :meth:`fit`)."""
         self.history: list[dict[str, Any]] = []
         self.knee: dict[str, Sequence[float]] | None = None
         """The validation rate scales the knee scan chose per trace (``selection_knee``)."""
@@ -384,15 +395,21 @@ class Recipe:
 
         :raises RuntimeError: an episode failed twice on Ray (training needs every one).
         """
+        parts, rows = self.collect_parts(episodes, student, slas)
+        return Demonstrations.concat(parts), rows
+
+    def collect_parts(self, episodes: Sequence[Episode], student: Path | None = None,
+                      slas: Sequence[SLA] | None = None
+                      ) -> tuple[list[Demonstrations], list[dict[str, Any]]]:
+        """:meth:`collect`, the demonstrations kept per episode (in order)."""
         if self.ray is None:
             actor = (None if student is None  # as served, as in _episode_task
                      else PpoController(load_artifact(student), name="student",
                                         order=PPO_QUEUE_ORDER))
             labeller = self.labeller(actor)
-            parts = [collect(labeller, [w], self._spec(d, slas, i))
-                     for i, (d, w) in enumerate(episodes)]
-            return (Demonstrations.concat([demos for demos, _ in parts]),
-                    [row for _, rows in parts for row in rows])
+            done = [collect(labeller, [w], self._spec(d, slas, i))
+                    for i, (d, w) in enumerate(episodes)]
+            return [demos for demos, _ in done], [row for _, rows in done for row in rows]
         from rlbatch.scale import connect, failed, run_tasks
 
         connect(self.ray)
@@ -405,32 +422,39 @@ class Recipe:
                             desc="teacher" if student is None else "dagger", quiet=self.quiet)
         if failed(results):
             raise RuntimeError("; ".join(f"{e.inputs}: {e.error}" for e in failed(results)))
-        done = [r for r in results if not isinstance(r, TaskError)]
-        return (Demonstrations.concat([d for d, _ in done]),
-                [row for _, rows in done for row in rows])
+        ok = [r for r in results if not isinstance(r, TaskError)]
+        return [d for d, _ in ok], [row for _, rows in ok for row in rows]
 
     def _spec(self, deployment: int, slas: Sequence[SLA] | None, i: int) -> DeploymentSpec:
         spec = self.specs[deployment]
         return spec if slas is None else replace(spec, sla=slas[i])
 
-    def episodes(self, n: int) -> tuple[list[Episode], list[SLA] | None]:
-        """``n`` workloads and, when the recipe draws SLAs, the SLA of each."""
-        episodes = sample_episodes(self.cfg, self.rng, n, self.traces)
+    def episodes(self, n: int, family_weights: dict[str, float] | None = None
+                 ) -> tuple[list[tuple[str, Episode]], list[SLA] | None]:
+        """``n`` workloads with their kinds and, when the recipe draws SLAs, the SLA of
+        each."""
+        episodes = sample_tagged_episodes(self.cfg, self.rng, n, self.traces, family_weights)
         slas = sample_slas(self.cfg, self.rng, n) if draws_slas(self.cfg) else None
         return episodes, slas
 
+    def _gather(self, tagged: Sequence[tuple[str, Episode]], slas: Sequence[SLA] | None,
+                student: Path | None = None) -> list[dict[str, Any]]:
+        parts, rows = self.collect_parts([e for _, e in tagged], student, slas)
+        self.demos.extend(parts)
+        self.kinds.extend(kind for kind, _ in tagged)
+        return rows
+
     def teacher_data(self) -> list[dict[str, Any]]:
         """Phase 1: the teacher drives; returns its run rows."""
-        episodes, slas = self.episodes(self.cfg.episodes)
-        demos, rows = self.collect(episodes, slas=slas)
-        self.demos.append(demos)
+        tagged, slas = self.episodes(self.cfg.episodes)
+        rows = self._gather(tagged, slas)
         for i, row in enumerate(rows):
             self.log("teacher/goodput_rps", float(row["goodput_rps"] or 0.0), i)
             self.log("teacher/sla_attainment", float(row["sla_attainment"] or 0.0), i)
             # the total the teacher kept, per kind of traffic (workload name without its seed)
             self.log(f"teacher/total_median/{str(row['trace']).split('[')[0]}",
                      float(row["max_num_seqs_median"]), i)
-        self.log("teacher/decisions", float(demos.decisions), 0)
+        self.log("teacher/decisions", float(sum(d.decisions for d in self.demos)), 0)
         return rows
 
     def fit(self, policy: Any, phase: str, step: int) -> float:
@@ -444,6 +468,11 @@ class Recipe:
         fit_policy(policy, data, epochs=self.cfg.epochs, learning_rate=self.cfg.learning_rate,
                    seed=self.cfg.seed + step, log=on_epoch)
         self.log(f"{phase}/action_accuracy", accuracy[0], step)
+        errors = total_errors(policy, self.demos, self.kinds)
+        for kind, error in errors.items():
+            self.log(f"{phase}/total_error/{kind}", error, step)
+        if self.cfg.dagger_focus:
+            self.family_weights = focus_weights(errors)
         return accuracy[0]
 
     def fitted_range(self) -> dict[str, Any]:
@@ -453,10 +482,10 @@ class Recipe:
         return {"obs_range": Demonstrations.concat(self.demos).observation_range()}
 
     def dagger_round(self, artifact: Path, round_: int) -> list[dict[str, Any]]:
-        """Phase 3: the student (behind its guard) drives, the teacher labels."""
-        episodes, slas = self.episodes(self.cfg.dagger_episodes)
-        demos, rows = self.collect(episodes, student=artifact, slas=slas)
-        self.demos.append(demos)
+        """Phase 3: the student (behind its guard) drives, the teacher labels; families
+        drawn at :attr:`family_weights` (``dagger_focus``)."""
+        tagged, slas = self.episodes(self.cfg.dagger_episodes, self.family_weights)
+        rows = self._gather(tagged, slas, artifact)
         for i, row in enumerate(rows):
             self.log("dagger/student_goodput_rps", float(row["goodput_rps"] or 0.0),
                      round_ * self.cfg.dagger_episodes + i)
