@@ -241,11 +241,11 @@ async def bench(args: argparse.Namespace, upstream: str, sidecar: str, sidecar_p
               f"{row['errors']}; load average {row['loadavg_1m']:.1f} on {os.cpu_count()} "
               f"cores", flush=True)
     metrics = await sidecar_metrics(sidecar)
-    decision = histogram_summary(metrics, "rlbatch:decision_seconds")
-    tick = histogram_summary(metrics, "rlbatch:tick_seconds")
-    tokenize_live = {lab["counter"]: histogram_summary(metrics, "rlbatch:tokenize_seconds",
+    decision = histogram_summary(metrics, "rlbatch_decision_seconds")
+    tick = histogram_summary(metrics, "rlbatch_tick_seconds")
+    tokenize_live = {lab["counter"]: histogram_summary(metrics, "rlbatch_tokenize_seconds",
                                                        counter=lab["counter"])
-                     for lab, _ in metrics.get("rlbatch:tokenize_seconds_count", [])}
+                     for lab, _ in metrics.get("rlbatch_tokenize_seconds_count", [])}
     rss_mb = psutil.Process(sidecar_pid).memory_info().rss / 2**20
     tokenizers = await tokenizer_costs(upstream, model_dir) if args.upstream == "vllm" else []
     return {"upstream": args.upstream, "controller": args.controller,

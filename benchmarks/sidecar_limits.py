@@ -119,7 +119,7 @@ async def fake_upstream(port: int) -> Any:
 # ----------------------------------------------------------------------------- parent side
 class Sampler:
     """Peak RSS and descriptors of the sidecar (every 20 ms), and with ``url`` its peak
-    ``rlbatch:held_body_bytes`` (every 100 ms)."""
+    ``rlbatch_held_body_bytes`` (every 100 ms)."""
 
     def __init__(self, pid: int, url: str | None = None) -> None:
         self.proc = psutil.Process(pid)
@@ -145,7 +145,7 @@ class Sampler:
         while not self._stop:
             with contextlib.suppress(aiohttp.ClientError, OSError):
                 self.peak_held = max(self.peak_held,
-                                     await metric(self.url, "rlbatch:held_body_bytes"))
+                                     await metric(self.url, "rlbatch_held_body_bytes"))
             await asyncio.sleep(0.1)
 
     def stop(self) -> None:
@@ -256,11 +256,11 @@ async def memory(args: argparse.Namespace) -> list[dict[str, Any]]:
                         timeout=aiohttp.ClientTimeout(total=args.hold_s)) as s:
                     await asyncio.gather(*(send(s, url, body, statuses)
                                            for _ in range(args.prompts)))
-                held = await metric(url, "rlbatch:held_body_bytes")
+                held = await metric(url, "rlbatch_held_body_bytes")
                 sampler.stop()
                 prober.stop()
                 await asyncio.gather(*tasks)
-                trips = await metric(url, 'rlbatch:limit_trips_total{limit="held_bytes"}')
+                trips = await metric(url, 'rlbatch_limit_trips_total{limit="held_bytes"}')
                 rows.append({
                     "over_length": policy, "prompts": args.prompts,
                     "prompt_mib": args.prompt_mib, "answers": statuses,
@@ -329,9 +329,9 @@ async def slowloris(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "peak_fds": sampler.peak_fds,
                 "peak_rss_mib": round(sampler.peak_rss / 2**20, 1),
                 "header_timeouts": await metric(
-                    url, 'rlbatch:limit_trips_total{limit="header_timeout"}'),
+                    url, 'rlbatch_limit_trips_total{limit="header_timeout"}'),
                 "connection_limit_trips": await metric(
-                    url, 'rlbatch:limit_trips_total{limit="connections"}'),
+                    url, 'rlbatch_limit_trips_total{limit="connections"}'),
                 **prober.summary()})
         finally:
             proc.terminate()

@@ -16,8 +16,10 @@ if [ ! -f "$stamp" ]; then
     # rl brings ray[tune] too: --ray (docs/scale-out.md) starts a local Ray cluster from it.
     # The extra allows a range; the release tested here is the one deploy/kuberay/ runs.
     # dev brings kubernetes-validate, whose Kubernetes schemas ship inside it (the manifest
-    # tests run offline).
-    .venv/bin/python -m pip install --quiet -e ".[rl,dev]" "ray[tune]==2.60.0"
+    # tests run offline), and grafana-foundation-sdk, which builds the Grafana dashboard
+    # (deploy/grafana/build_dashboard.py): pinned to the build whose JSON is checked in.
+    .venv/bin/python -m pip install --quiet -e ".[rl,dev]" "ray[tune]==2.60.0" \
+        "grafana-foundation-sdk==1769699379!11.6.0"
     # The live engine (rlbatch.engine.vllm, calibrate, fidelity, tests marked live):
     # vLLM for CPU, which pins the torch 2.13.0+cpu above. It also pulls CUDA builds of
     # torchvision / torchaudio / torchcodec that break `import transformers`, and triton,
@@ -34,8 +36,9 @@ if [ ! -f "$stamp" ]; then
     rm -f .venv/.rlbatch-setup-*
     touch "$stamp"
 fi
-# Prometheus (Debian's package: prometheus + promtool) for tests/test_sidecar_prometheus.py
-# (the alert rules' promtool check and a real Prometheus scraping the sidecar); those tests
+# Prometheus (Debian's package: prometheus + promtool) for tests/test_sidecar_prometheus.py and
+# tests/test_prometheus_dashboard.py (promtool on the sidecar's page and the rule files, a
+# real Prometheus scraping two sidecars for every dashboard query); those tests
 # skip, saying why, where it cannot be installed.
 if ! command -v promtool >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
         && [ "$(id -u)" = 0 ]; then

@@ -27,6 +27,7 @@ import pytest
 from policies.artifact import ArtifactError, save_artifact
 from policies.ppo import PpoController, ppo_factory
 from rlbatch.buckets import Buckets
+from rlbatch.commands import serve as serve_command
 from rlbatch.commands.serve import add_arguments, controller_spec, settings_from_args
 from rlbatch.control.action_codec import ActionCodec
 from rlbatch.control.controllers import make_controller
@@ -263,6 +264,25 @@ def test_approx_counter() -> None:
     assert c.count_now(Prompt(messages=("x" * 8, ""))) == (2 + 4) + (0 + 4)
 
 
+@pytest.mark.parametrize("choice", [("--policy", "default"), ("--controller", "ppo:default"),
+                                    ("--policy", "seeds/seed1"),
+                                    ("--policy", "policies/default/policy.json")])
+def test_start_accepts_what_the_controller_factory_accepts(
+        choice: tuple[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Shipped names resolve from any folder (no "default" here), and the factory also reads
+    # an artifact's policy.json: the start check must not refuse either before the factory
+    # resolves it.
+    if choice[1].startswith("policies/"):
+        choice = (choice[0], str(REPO / choice[1]))
+    else:
+        monkeypatch.chdir(tmp_path)
+    served: list[object] = []
+    monkeypatch.setattr(serve_command, "run_loop", lambda main, loop: served.append(main))
+    status = serve_command.main(["--upstream", "fp16=http://127.0.0.1:9", *choice,
+                                 "--capacity-rps", "10"])
+    assert status == 0 and len(served) == 1
+
+
 def test_corrupt_or_missing_policy_refuses_to_start(tmp_path: Path) -> None:
     missing = subprocess.run(
         [sys.executable, str(REPO / "serve.py"), "--upstream", "fp16=http://127.0.0.1:9",
@@ -307,7 +327,7 @@ def test_bad_requests_get_400_with_a_reason() -> None:
                 assert status == 400, data
                 error = json.loads(data)["error"]
                 assert needle in error["message"] and error["code"] == 400
-            assert sample(sidecar, "rlbatch:bad_requests_total") == 4
+            assert sample(sidecar, "rlbatch_bad_requests_total") == 4
             # A valid request while no upstream answers: 503 with the reason.
             status, data, headers = await post(s, url, {"prompt": "x"})
             assert status == 503 and "not ready" in json.loads(data)["error"]["message"]
@@ -327,7 +347,7 @@ def test_upstream_errors_retry_other_replica_else_503() -> None:
                 for stream in (False, True, False, True):
                     status, data, _ = await post(s, url, {"prompt": "x y", "stream": stream})
                     assert status == 200, data
-                assert sample(sidecar, "rlbatch:upstream_retries_total", pool="fp16") >= 1
+                assert sample(sidecar, "rlbatch_upstream_retries_total", pool="fp16") >= 1
                 good.faults.completion = "error500"  # both replicas fail now
                 status, data, headers = await post(s, url, {"prompt": "x y"})
                 message = json.loads(data)["error"]["message"]
@@ -356,7 +376,7 @@ def test_upstream_dying_mid_stream_ends_stream_with_error_event() -> None:
             assert status == 200
             assert b'data: {"error"' in data and b"mid-stream" in data
             assert data.endswith(b"data: [DONE]\n\n")
-            assert sample(sidecar, "rlbatch:requests_total", bucket="0-128",
+            assert sample(sidecar, "rlbatch_requests_total", bucket="0-128",
                           outcome="upstream_error") == 1
             assert sidecar.tickets == {}
 
@@ -374,7 +394,7 @@ def test_scrape_failure_applies_guard_fallback_caps(caplog: pytest.LogCaptureFix
                 up.faults.metrics_status = 500
                 await until(lambda: sidecar.control.fallback_active)
                 assert sidecar.control.in_force.caps == (4, 4, 4, 4)  # Guard.fallback_action()
-                assert sample(sidecar, "rlbatch:fallback_ticks_total") >= 1
+                assert sample(sidecar, "rlbatch_fallback_ticks_total") >= 1
                 up.faults.metrics_status = 200
                 await until(lambda: not sidecar.control.fallback_active)
                 assert sidecar.control.in_force.caps == (32, 32, 32, 32)
@@ -396,7 +416,7 @@ def test_queue_full_and_queue_timeout_answer_429_and_cancel_frees_slot() -> None
                 waiting = [asyncio.create_task(post(s, url, {"prompt": "x"})) for _ in range(2)]
                 await asyncio.sleep(0.1)
                 # the two wait at the upstream, held by the engine-wide cap: a tick sees them
-                await until(lambda: sample(sidecar, "rlbatch:oldest_unserved_seconds") > 0)
+                await until(lambda: sample(sidecar, "rlbatch_oldest_unserved_seconds") > 0)
                 status, data, headers = await post(s, url, {"prompt": "x"})
                 assert status == 429 and "is full" in json.loads(data)["error"]["message"]
                 assert headers.get("Retry-After") == "1"
@@ -420,9 +440,9 @@ def test_queue_full_and_queue_timeout_answer_429_and_cancel_frees_slot() -> None
                 # in admission to cancel.)
                 await until(lambda: loop.arrived_total == 4 and loop.rejected_total == 1)
                 assert loop.cancelled_total == 0
-                assert sample(sidecar, "rlbatch:arrivals_total", bucket="0-128") == 4
-                assert sample(sidecar, "rlbatch:rejections_total", bucket="0-128") == 1
-                assert sample(sidecar, "rlbatch:queue_length", bucket="0-128") == 0
+                assert sample(sidecar, "rlbatch_arrivals_total", bucket="0-128") == 4
+                assert sample(sidecar, "rlbatch_rejections_total", bucket="0-128") == 1
+                assert sample(sidecar, "rlbatch_queue_length", bucket="0-128") == 0
 
     asyncio.run(scenario())
 

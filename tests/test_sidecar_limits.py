@@ -4,7 +4,7 @@ Kubernetes example that set the bounds. The closed control plane and the smaller
 
 Each test reproduces one hole of the issue (it fails on the sidecar as it was) and checks
 the limit's answer exactly: the status, the OpenAI-style error and the
-``rlbatch:limit_trips_total{limit}`` sample that counts it. Faults a real vLLM cannot produce
+``rlbatch_limit_trips_total{limit}`` sample that counts it. Faults a real vLLM cannot produce
 on demand (a ``/tokenize`` or completion that never answers, a stream that stalls, a 200
 that is not JSON) come from :class:`~tests.fake_upstream.FakeUpstream`; the rest needs only
 raw sockets. Figures (RSS per held byte, descriptors under slowloris) are measured by
@@ -48,7 +48,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def trips(sidecar: object, limit: str) -> float:
-    return sample(sidecar, "rlbatch:limit_trips_total", limit=limit)  # type: ignore[arg-type]
+    return sample(sidecar, "rlbatch_limit_trips_total", limit=limit)  # type: ignore[arg-type]
 
 
 def error_of(data: bytes) -> dict[str, object]:
@@ -207,7 +207,7 @@ def test_held_bytes_budget_refuses_before_queueing() -> None:
                 first = asyncio.create_task(post(s, url, {"prompt": words, "max_tokens": 1}))
                 await until(lambda: up.counters.running == 1)
                 second = asyncio.create_task(post(s, url, {"prompt": words, "max_tokens": 1}))
-                await until(lambda: sample(sidecar, "rlbatch:held_body_bytes") > 2 * body_len)
+                await until(lambda: sample(sidecar, "rlbatch_held_body_bytes") > 2 * body_len)
                 status, data, headers = await post(s, url, {"prompt": words, "max_tokens": 1})
                 assert status == 429 and headers.get("Retry-After") == "1"
                 assert "held" in str(error_of(data)["message"])
@@ -215,7 +215,7 @@ def test_held_bytes_budget_refuses_before_queueing() -> None:
                 for task in (first, second):
                     task.cancel()
                 await asyncio.gather(first, second, return_exceptions=True)
-                await until(lambda: sample(sidecar, "rlbatch:held_body_bytes") == 0)
+                await until(lambda: sample(sidecar, "rlbatch_held_body_bytes") == 0)
 
     asyncio.run(scenario())
 
@@ -234,7 +234,7 @@ def test_prompt_certainly_over_length_is_refused_without_tokenising() -> None:
                 error = error_of(data)
                 assert "maximum context length is 4096 tokens" in str(error["message"])
                 assert up.counters.tokenize_calls == 0 and up.counters.requests == 0
-                assert sample(sidecar, "rlbatch:rejections_total", bucket="512+") >= 0
+                assert sample(sidecar, "rlbatch_rejections_total", bucket="512+") >= 0
 
     asyncio.run(scenario())
 
@@ -286,7 +286,7 @@ def test_connection_limit_closes_idle_connections_first(loop: str) -> None:
                 # A client arriving now evicts an idle connection and is served.
                 async with aiohttp.ClientSession() as s, s.get(url + "/health") as r:
                     assert r.status == 200
-                assert sample(sidecar, "rlbatch:connections_open") <= 8
+                assert sample(sidecar, "rlbatch_connections_open") <= 8
                 closed = 0
                 for reader, writer in idle:
                     try:
@@ -319,7 +319,7 @@ def test_hanging_tokenize_falls_back_logged_and_counted(caplog: pytest.LogCaptur
                     assert status == 200, data
                 assert up.counters.tokenize_calls == 2
                 assert trips(sidecar, "tokenize_timeout") == 2
-                assert sample(sidecar, "rlbatch:requests_counting") == 0
+                assert sample(sidecar, "rlbatch_requests_counting") == 0
 
     with caplog.at_level(logging.WARNING, logger="rlbatch.sidecar"):
         asyncio.run(scenario())
@@ -450,7 +450,7 @@ def test_slow_uploads_that_announce_the_body_cap_leave_other_requests_served() -
                     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                                  b"application/json\r\nContent-Length: %d\r\n\r\n{"
                                  % settings.max_body_bytes)
-                await until(lambda: sample(sidecar, "rlbatch:held_body_bytes") >= 4)
+                await until(lambda: sample(sidecar, "rlbatch_held_body_bytes") >= 4)
 
                 async def trickle() -> None:
                     while True:
@@ -467,7 +467,7 @@ def test_slow_uploads_that_announce_the_body_cap_leave_other_requests_served() -
                 elapsed_ms = 1000 * (time.monotonic() - started)
                 print(f"3 requests beside 4 slow uploads: {elapsed_ms:.0f} ms")
                 assert trips(sidecar, "held_bytes") == 0
-                assert sample(sidecar, "rlbatch:held_body_bytes") < 1024
+                assert sample(sidecar, "rlbatch_held_body_bytes") < 1024
                 dribble.cancel()
                 for _, writer in slow:
                     writer.close()
@@ -538,7 +538,7 @@ def test_answer_cut_mid_body_reaches_the_client_broken_not_short(
                 assert r.status == 200
                 with pytest.raises(aiohttp.ClientPayloadError):
                     await r.read()
-            await until(lambda: sample(sidecar, "rlbatch:requests_total", bucket="0-128",
+            await until(lambda: sample(sidecar, "rlbatch_requests_total", bucket="0-128",
                                        outcome="upstream_error") == 1)
             assert sidecar.upstreams[0].failures == 1 and sidecar.tickets == {}
 
@@ -631,7 +631,7 @@ def test_requests_refused_at_admission_are_not_tokenised() -> None:
                     status, data, _ = await post(s, url, {"prompt": "x " * 50})
                     assert status == 429 and "is full" in str(error_of(data)["message"])
                 assert up.counters.tokenize_calls == 2
-                assert sample(sidecar, "rlbatch:requests_total", bucket="0-128",
+                assert sample(sidecar, "rlbatch_requests_total", bucket="0-128",
                               outcome="rejected_queue_full") == 3
                 for task in (first, second):
                     task.cancel()

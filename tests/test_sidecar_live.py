@@ -95,21 +95,21 @@ def test_mixed_lengths_complete_and_caps_obeyed(servers: Servers, tmp_path: Path
                 else:
                     assert o.tokens == 24 + i % 17
             per_bucket = [await sidecar_metric(
-                s, url, f'rlbatch:requests_total{{bucket="{b}",outcome="ok"}}')
+                s, url, f'rlbatch_requests_total{{bucket="{b}",outcome="ok"}}')
                 for b in ("0-128", "128-256", "256-512", "512+")]
             assert all(n and n > 0 for n in per_bucket), per_bucket
             assert await vllm_metric(s, servers.fp8.url,
                                      "vllm:generation_tokens_total") > fp8_before
             assert await sidecar_metric(
-                s, url, 'rlbatch:batch_cap{bucket="0-128",pool="fp16"}') == 4.0
+                s, url, 'rlbatch_batch_cap{bucket="0-128",pool="fp16"}') == 4.0
             assert await sidecar_metric(
-                s, url, 'rlbatch:batch_cap{bucket="512+",pool="fp8"}') == 1.0
-            ttft = await sidecar_metric(s, url, 'rlbatch:time_to_first_token_seconds_count'
+                s, url, 'rlbatch_batch_cap{bucket="512+",pool="fp8"}') == 1.0
+            ttft = await sidecar_metric(s, url, 'rlbatch_time_to_first_token_seconds_count'
                                         '{bucket="0-128"}')
             assert ttft and ttft > 0
-            arrivals = await sidecar_metric(s, url, 'rlbatch:arrivals_total{bucket="0-128"}')
+            arrivals = await sidecar_metric(s, url, 'rlbatch_arrivals_total{bucket="0-128"}')
             assert arrivals and arrivals > 0  # the tick's snapshot, named by the table
-            assert await sidecar_metric(s, url, 'rlbatch:queue_length{bucket="0-128"}') is not None
+            assert await sidecar_metric(s, url, 'rlbatch_queue_length{bucket="0-128"}') is not None
         assert poller.samples > 10
         assert 0 < poller.peak["fp16"] <= 6, poller.peak
         assert 0 < poller.peak["fp8"] <= 3, poller.peak
@@ -151,9 +151,11 @@ def test_static_cap_balances_across_both_pools(servers: Servers, tmp_path: Path)
                 after = await vllm_metric(s, getattr(servers, pool).url,
                                           "vllm:generation_tokens_total")
                 assert after > before[pool], (pool, before, after)
-            for pool in ("fp16", "fp8"):
+            for pool in ("fp16", "fp8"):  # routed to any pool, no cap per bucket: no number
                 assert await sidecar_metric(
-                    s, url, f'rlbatch:batch_cap{{bucket="0-128",pool="{pool}"}}') == float("inf")
+                    s, url, f'rlbatch_bucket_routed{{bucket="0-128",pool="{pool}"}}') == 1.0
+                assert await sidecar_metric(
+                    s, url, f'rlbatch_batch_cap{{bucket="0-128",pool="{pool}"}}') is None
         assert max(poller.peak.values()) <= 4, poller.peak
 
     with sidecar(servers, tmp_path, "--controller", "static:4") as (url, _):
@@ -179,11 +181,15 @@ def test_shadow_mode_changes_nothing(servers: Servers, tmp_path: Path) -> None:
                                      "vllm:generation_tokens_total") == fp8_before
             assert poller.peak["fp16"] > 4, poller.peak  # vLLM's gauge lags a little
             assert await sidecar_metric(
-                s, url, 'rlbatch:decided_batch_cap{bucket="0-128",pool="fp8"}') == 1.0
+                s, url, 'rlbatch_decided_batch_cap{bucket="0-128",pool="fp8"}') == 1.0
             assert await sidecar_metric(
-                s, url, 'rlbatch:batch_cap{bucket="0-128",pool="fp16"}') == float("inf")
-            assert await sidecar_metric(s, url, "rlbatch:shadow_mode") == 1.0
-            ticks = await sidecar_metric(s, url, "rlbatch:decision_seconds_count")
+                s, url, 'rlbatch_bucket_routed{bucket="0-128",pool="fp16"}') == 1.0
+            assert await sidecar_metric(
+                s, url, 'rlbatch_batch_cap{bucket="0-128",pool="fp16"}') is None
+            assert await sidecar_metric(
+                s, url, 'rlbatch_decision_differs{bucket="0-128"}') == 1.0
+            assert await sidecar_metric(s, url, "rlbatch_shadow_mode") == 1.0
+            ticks = await sidecar_metric(s, url, "rlbatch_decision_seconds_count")
             assert ticks and ticks > 0
 
     with sidecar(servers, tmp_path, "--policy", str(policy), "--shadow") as (url, _):
@@ -219,7 +225,7 @@ def test_policy_switch_mid_run_takes_effect(servers: Servers, tmp_path: Path) ->
                 assert r.status == 200, await r.text()
             after = await phase(s, url, 2.5)
             assert await sidecar_metric(
-                s, url, f'rlbatch:controller_info{{controller="ppo:{policy}"}}') == 1.0
+                s, url, f'rlbatch_controller_info{{controller="ppo:{policy}"}}') == 1.0
         assert before["fp16"] <= 1.0, before  # static:1
         assert 1.0 < after["fp16"] <= 4.0, after  # the policy's cap 4
 
@@ -250,12 +256,12 @@ def test_client_disconnect_cancels_upstream_and_over_length(servers: Servers,
                                               "vllm:generation_tokens_total") - tokens_before
                 assert generated < 900
             assert await sidecar_metric(
-                s, url, 'rlbatch:requests_total{bucket="0-128",outcome="cancelled"}') == 2.0
+                s, url, 'rlbatch_requests_total{bucket="0-128",outcome="cancelled"}') == 2.0
             # Over-long prompt: refused as vLLM does (the default), then bad requests.
             o = await call(s, url, words=1300, max_tokens=8, stream=False, chat=False)
             assert o.status == 400 and o.error
             assert await sidecar_metric(
-                s, url, 'rlbatch:requests_total{bucket="512+",outcome="rejected_too_long"}'
+                s, url, 'rlbatch_requests_total{bucket="512+",outcome="rejected_too_long"}'
             ) == 1.0
             async with s.post(url + "/v1/completions", data=b"{oops",
                               headers={"Content-Type": "application/json"}) as r:
@@ -272,7 +278,7 @@ def test_client_disconnect_cancels_upstream_and_over_length(servers: Servers,
             if policy == "truncate":
                 assert o.status == 200 and o.tokens == 8
                 assert await sidecar_metric(
-                    s, url, 'rlbatch:prompts_truncated_total{bucket="512+"}') == 1.0
+                    s, url, 'rlbatch_prompts_truncated_total{bucket="512+"}') == 1.0
                 return
             assert o.status == 400 and o.error
             o = await call(s, url, words=20, max_tokens=1020, stream=False, chat=False)

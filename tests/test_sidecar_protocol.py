@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from rlbatch.sidecar.policy_files import PolicyPathError, check_policy_dir, confined_policy
+from rlbatch.sidecar.policy_files import PolicyPathError, check_policy_path, confined_policy
 from rlbatch.sidecar.responses import UsageStripper
 from rlbatch.sidecar.vllm_server import free_port
 from tests.fake_upstream import Faults
@@ -77,7 +77,7 @@ def test_metrics_and_admin_on_their_own_port() -> None:
                     async with s.get(url + path, headers=AUTH) as r:
                         assert r.status == 404 and await r.json() == {"detail": "Not Found"}
                 async with s.get(control + "/metrics") as r:
-                    assert r.status == 200 and "rlbatch:limit_trips_total" in await r.text()
+                    assert r.status == 200 and "rlbatch_limit_trips_total" in await r.text()
                 async with s.get(control + "/admin/state", headers=AUTH) as r:
                     assert r.status == 200
                 for base in (url, control):
@@ -138,16 +138,16 @@ def test_policy_switch_confined_to_policy_dirs_no_file_oracle(tmp_path: Path) ->
 
 def test_policy_dir_checks_refuse_devices_and_size_before_reading(tmp_path: Path) -> None:
     with pytest.raises(PolicyPathError, match="not a folder"):
-        check_policy_dir(Path("/dev/zero"), 4096)
+        check_policy_path(Path("/dev/zero"), 4096)
     art = fixed_policy(tmp_path / "p", [4, 4, 4, 4], ["fp16"] * 4, pool_names=("fp16",))
-    check_policy_dir(art, 1 << 20)
+    check_policy_path(art, 1 << 20)
     with pytest.raises(PolicyPathError, match="larger than 16 bytes"):
-        check_policy_dir(art, 16)
+        check_policy_path(art, 16)
     (tmp_path / "dev").mkdir()
     (tmp_path / "dev" / "policy.json").symlink_to("/dev/zero")
     (tmp_path / "dev" / "policy.safetensors").symlink_to("/dev/zero")
     with pytest.raises(PolicyPathError, match="regular file"):
-        check_policy_dir(tmp_path / "dev", 4096)
+        check_policy_path(tmp_path / "dev", 4096)
     assert confined_policy(str(art), (tmp_path,)) == art.resolve()
     with pytest.raises(PolicyPathError, match="allowed policy folders"):
         confined_policy(str(art), ())
@@ -205,7 +205,7 @@ def test_upstream_200_that_is_not_json_is_502_and_stream_error_is_separate() -> 
             assert status == 502 and headers["Content-Type"].startswith("application/json")
             message = str(error_of(data)["message"])
             assert "not an event stream" in message and "<html>" in message
-            assert sample(sidecar, "rlbatch:requests_total", bucket="0-128",
+            assert sample(sidecar, "rlbatch_requests_total", bucket="0-128",
                           outcome="upstream_error") == 2
 
     asyncio.run(scenario())
@@ -257,7 +257,7 @@ def test_over_length_default_shortens_output_like_vllm() -> None:
                 status, data, _ = await post(s, url, body)
                 assert status == 200, data
                 assert up.counters.bodies[-1] == body  # forwarded untouched
-            assert sample(sidecar, "rlbatch:prompts_truncated_total", bucket="0-128") == 0
+            assert sample(sidecar, "rlbatch_prompts_truncated_total", bucket="0-128") == 0
             # A prompt alone over max_model_len is refused as vLLM refuses it.
             status, data, _ = await post(s, url, {"prompt": "x" * 4 * 4097})
             assert status == 400
@@ -350,7 +350,7 @@ def test_responses_api_is_admitted_counted_and_streamed_untouched() -> None:
             assert status == 200 and data.count(b"event: response.output_text.delta") == 4
             assert data.endswith(b'"output_tokens":4,"total_tokens":9}}}\n\n')
             assert b"[DONE]" not in data and b"error" not in data
-            await until(lambda: sample(sidecar, "rlbatch:requests_total", bucket="0-128",
+            await until(lambda: sample(sidecar, "rlbatch_requests_total", bucket="0-128",
                                        outcome="ok") == 2)
             status, data, _ = await post(s, url, {**body, "background": True}, "/v1/responses")
             assert status == 400 and error_of(data)["param"] == "background"

@@ -57,7 +57,7 @@ def test_replica_that_drops_every_connection_is_ejected_and_the_other_serves() -
                 assert status == 200 and list(body["out"]) == ["fp16#0"]
                 assert "ejected after 3 consecutive failures" in body["out"]["fp16#0"]
                 assert bad.url not in json.dumps(body)
-                assert sample(sidecar, "rlbatch:upstream_ejections_total",
+                assert sample(sidecar, "rlbatch_upstream_ejections_total",
                               upstream="fp16#0") == 1
                 assert sidecar.tickets == {}
 

@@ -1,12 +1,16 @@
 """Build ``deploy/grafana/rlbatch-sidecar.json``, the Grafana dashboard of the sidecar and its
-vLLM upstreams, from the panel list below (plain Python, no library: the JSON is Grafana's
-dashboard model, schema 39, one Prometheus data source chosen by the ``datasource`` variable).
+vLLM upstreams, with Grafana's own builder library (``grafana-foundation-sdk``, the dev extra)
+from the panel list below.
 
     .venv/bin/python deploy/grafana/build_dashboard.py          # rewrite the JSON
     .venv/bin/python deploy/grafana/build_dashboard.py --check  # fail if it is stale
 
-``tests/test_sidecar_prometheus.py`` checks the file is what this script builds, and runs every
-query against a real Prometheus scraping the sidecar and a real vLLM server.
+Template variables pick the Prometheus data source, the ``namespace``, the sidecar ``job``
+and its ``instance`` (replicas), and the ``vllm_job`` whose servers the vLLM panels show.
+Job-level figures come from the recording rules of ``deploy/prometheus/rlbatch-rules.yaml``
+(``level:metric:operations``), so they add up over replicas; per-replica ones from the raw
+series. ``tests/test_prometheus_dashboard.py`` checks the file is what this script builds, and
+runs every query, its variables substituted, against a real Prometheus scraping two sidecars.
 """
 
 from __future__ import annotations
@@ -14,101 +18,216 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from grafana_foundation_sdk.builders import common as common_builders
+from grafana_foundation_sdk.builders import dashboard as dash
+from grafana_foundation_sdk.builders import heatmap, prometheus, table, timeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common
+from grafana_foundation_sdk.models import dashboard as model
+from grafana_foundation_sdk.models.prometheus import PromQueryFormat
+
+from rlbatch.sidecar.prom import REJECTIONS
 
 OUT = Path(__file__).with_name("rlbatch-sidecar.json")
 
-# (row, title, unit, [(expr, legend)])
-PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
-    ("Control", "Batch cap in force per bucket and pool (+Inf: no cap)", "short",
-     [("rlbatch:batch_cap > 0", "{{bucket}} @ {{pool}}")]),
-    ("Control", "Queue length per bucket", "short",
-     [("rlbatch:queue_length", "{{bucket}}")]),
-    ("Control", "Queue wait per bucket (P99 over 1 m; oldest waiting)", "s",
-     [("histogram_quantile(0.99, sum by (le, bucket) "
-       "(rate(rlbatch:request_queue_time_seconds_bucket[1m])))", "P99 {{bucket}}"),
-      ("rlbatch:oldest_wait_seconds", "oldest {{bucket}}"),
-      ("rlbatch:oldest_unserved_seconds", "oldest not forwarded (any bucket)")]),
-    ("Control", "Guard overrides by rule (per second)", "ops",
-     [("sum by (rule) (rate(rlbatch:guard_overrides_total[5m]))", "{{rule}}")]),
-    ("Control", "Decision time (P50, P99 over 5 m)", "s",
-     [("histogram_quantile(0.5, rate(rlbatch:decision_seconds_bucket[5m]))", "P50"),
-      ("histogram_quantile(0.99, rate(rlbatch:decision_seconds_bucket[5m]))", "P99")]),
-    ("Control", "Shadow mode: buckets where the decision differs from the caps in force",
-     "short", [("sum by (bucket) (rlbatch:decided_batch_cap != bool rlbatch:batch_cap)",
-                "{{bucket}}"),
-               ("rlbatch:shadow_mode", "shadow mode on")]),
-    ("SLA", "TTFT P99 per bucket against the SLA", "s",
-     [("rlbatch:ttft_p99_seconds", "{{bucket}}"),
-      ('rlbatch:sla_target_seconds{metric="ttft"}', "SLA")]),
-    ("SLA", "TPOT P99 per bucket against the SLA", "s",
-     [("rlbatch:tpot_p99_seconds", "{{bucket}}"),
-      ('rlbatch:sla_target_seconds{metric="tpot"}', "SLA")]),
-    ("SLA", "Goodput (finished requests meeting the SLA per second) and attainment",
-     "reqps", [("rate(rlbatch:finished_total[1m]) * on() rlbatch:sla_attainment", "goodput"),
-               ("rlbatch:sla_attainment", "SLA attainment")]),
-    ("SLA", "Requests by outcome (per second)", "reqps",
-     [("sum by (outcome) (rate(rlbatch:requests_total[1m]))", "{{outcome}}")]),
-    ("vLLM", "vLLM running and waiting requests", "short",
-     [("sum by (instance) (vllm:num_requests_running)", "running {{instance}}"),
-      ("sum by (instance) (vllm:num_requests_waiting)", "waiting {{instance}}")]),
-    ("vLLM", "vLLM KV cache usage", "percentunit",
-     [("max by (instance) (vllm:kv_cache_usage_perc)", "{{instance}}")]),
-    ("vLLM", "vLLM preemptions (per second)", "ops",
-     [("sum by (instance) (rate(vllm:num_preemptions_total[5m]))", "{{instance}}")]),
-    ("Limits", "Limit trips (per second)", "ops",
-     [("sum by (limit) (rate(rlbatch:limit_trips_total[5m]))", "{{limit}}")]),
-    ("Limits", "Request bytes held, connections open, prompts being counted", "short",
-     [("rlbatch:held_body_bytes", "held bytes"),
-      ("rlbatch:connections_open", "connections"),
-      ("rlbatch:requests_counting", "counting")]),
-    ("Limits", "Scrapes: targets up, sidecar scrape failures of the upstreams", "short",
-     [("up", "{{job}} {{instance}}"),
-      ("sum by (upstream) (increase(rlbatch:scrape_failures_total[5m]))", "{{upstream}}")]),
-]
+SIDECAR = 'namespace=~"$namespace", job=~"$job", instance=~"$instance"'
+"""The sidecar replicas chosen."""
+JOB = 'namespace=~"$namespace", job=~"$job"'
+"""The sidecar jobs chosen (recording rules aggregate their replicas)."""
+VLLM = 'namespace=~"$namespace", job=~"$vllm_job"'
+"""The vLLM servers chosen: without it the vLLM panels showed every vLLM Prometheus scrapes."""
+RATE = "$__rate_interval"
+REJECTED = "|".join(REJECTIONS)
+
+PanelKind = Literal["timeseries", "heatmap", "table"]
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One panel: its row, title, unit, ``(expr, legend)`` targets and kind."""
+
+    row: str
+    title: str
+    unit: str
+    targets: tuple[tuple[str, str], ...]
+    kind: PanelKind = "timeseries"
+
+
+def _p(row: str, title: str, unit: str, *targets: tuple[str, str],
+       kind: PanelKind = "timeseries") -> Panel:
+    return Panel(row, title, unit, targets, kind)
+
+
+PANELS: tuple[Panel, ...] = (
+    _p("SLA and goodput", "Goodput: finished requests meeting the SLA per second", "reqps",
+       (f"job:rlbatch_goodput_requests:rate5m{{{JOB}}}", "{{job}} (5 m)"),
+       (f"sum by (instance) (rate(rlbatch_goodput_requests_total{{{SIDECAR}}}[{RATE}]))",
+        "{{instance}}")),
+    _p("SLA and goodput", "SLA attainment (share of finished requests meeting the SLA)",
+       "percentunit",
+       (f"job:rlbatch_sla_attainment:ratio_rate5m{{{JOB}}}", "{{job}} (5 m)"),
+       (f"rlbatch_sla_attainment_ratio{{{SIDECAR}}}", "{{instance}} (the controller's window)")),
+    _p("SLA and goodput", "TTFT P99 per bucket against the SLA", "s",
+       (f"histogram_quantile(0.99, job_bucket_le:rlbatch_time_to_first_token_seconds_bucket"
+        f":rate5m{{{JOB}}})", "{{job}} {{bucket}} (streamed, 5 m)"),
+       (f"rlbatch_ttft_p99_seconds{{{SIDECAR}}}", "{{instance}} {{bucket}} (window)"),
+       (f'max(rlbatch_sla_target_seconds{{{SIDECAR}, metric="ttft"}})', "SLA")),
+    _p("SLA and goodput", "TPOT P99 per bucket against the SLA", "s",
+       (f"rlbatch_tpot_p99_seconds{{{SIDECAR}}}", "{{instance}} {{bucket}} (window)"),
+       (f'max(rlbatch_sla_target_seconds{{{SIDECAR}, metric="tpot"}})', "SLA")),
+    _p("SLA and goodput", "Time to first token of streamed requests (distribution)", "s",
+       (f"sum by (le) (rate(rlbatch_time_to_first_token_seconds_bucket{{{SIDECAR}}}[{RATE}]))",
+        "{{le}}"), kind="heatmap"),
+    _p("SLA and goodput", "Requests by outcome (per second)", "reqps",
+       (f"sum by (outcome) (rate(rlbatch_requests_total{{{SIDECAR}}}[{RATE}]))",
+        "{{outcome}}")),
+    _p("SLA and goodput", "Rejections by reason (per second)", "reqps",
+       (f'sum by (outcome, bucket) (rate(rlbatch_requests_total{{{SIDECAR}, '
+        f'outcome=~"{REJECTED}"}}[{RATE}]))', "{{outcome}} {{bucket}}")),
+    _p("SLA and goodput", "Tokens per second of the upstreams, per pool", "short",
+       (f"job_pool:rlbatch_generation_tokens:rate5m{{{JOB}}}", "output {{pool}} (5 m)"),
+       (f"job_pool:rlbatch_prompt_tokens:rate5m{{{JOB}}}", "prompt {{pool}} (5 m)")),
+    _p("Control", "Controller in charge", "short",
+       (f"rlbatch_controller_info{{{SIDECAR}}}", "{{instance}} {{controller}}"), kind="table"),
+    _p("Control", "Batch cap in force per bucket and pool (none: no cap)", "short",
+       (f"rlbatch_batch_cap{{{SIDECAR}}}", "{{instance}} {{bucket}} @ {{pool}}")),
+    _p("Control", "Routes: the pools each bucket's requests may go to", "short",
+       (f"rlbatch_bucket_routed{{{SIDECAR}}} == 1", "{{instance}} {{bucket}} -> {{pool}}")),
+    _p("Control", "Queue length per bucket", "short",
+       (f"sum by (bucket) (rlbatch_queue_length{{{SIDECAR}}})", "{{bucket}}")),
+    _p("Control", "Queue wait per bucket (P99; oldest waiting)", "s",
+       (f"histogram_quantile(0.99, sum by (le, bucket) "
+        f"(rate(rlbatch_request_queue_time_seconds_bucket{{{SIDECAR}}}[{RATE}])))",
+        "P99 {{bucket}}"),
+       (f"max by (bucket) (rlbatch_oldest_wait_seconds{{{SIDECAR}}})", "oldest {{bucket}}"),
+       (f"max by (instance) (rlbatch_oldest_unserved_seconds{{{SIDECAR}}})",
+        "oldest not forwarded {{instance}}")),
+    _p("Control", "KV committed (share of the pool) and KV budget holding requests back",
+       "percentunit",
+       (f"rlbatch_kv_committed_ratio{{{SIDECAR}}}", "committed {{instance}}"),
+       (f"rlbatch_kv_budget_blocked{{{SIDECAR}}}", "budget blocked {{instance}}")),
+    _p("Control", "Guard overrides by rule (per second)", "ops",
+       (f"sum by (rule) (rate(rlbatch_guard_overrides_total{{{SIDECAR}}}[{RATE}]))",
+        "{{rule}}")),
+    _p("Control", "Fallback ticks (share of control ticks; ticks in the interval)", "short",
+       (f"instance:rlbatch_fallback_ticks:ratio_rate5m{{{SIDECAR}}}", "share {{instance}}"),
+       (f"sum by (instance) (increase(rlbatch_fallback_ticks_total{{{SIDECAR}}}[{RATE}]))",
+        "ticks {{instance}}")),
+    _p("Control", "Decision time (P50, P99)", "s",
+       (f"histogram_quantile(0.5, sum by (le) "
+        f"(rate(rlbatch_decision_seconds_bucket{{{SIDECAR}}}[{RATE}])))", "P50"),
+       (f"histogram_quantile(0.99, sum by (le) "
+        f"(rate(rlbatch_decision_seconds_bucket{{{SIDECAR}}}[{RATE}])))", "P99")),
+    _p("Control", "Shadow mode: buckets whose decision is not in force", "short",
+       (f"rlbatch_decision_differs{{{SIDECAR}}}", "{{instance}} {{bucket}}"),
+       (f"rlbatch_shadow_mode{{{SIDECAR}}}", "shadow mode {{instance}}")),
+    _p("Upstreams", "Upstream health: reachable, ejections, scrape failures, retries", "short",
+       (f"rlbatch_upstream_up{{{SIDECAR}}}", "up {{instance}} {{upstream}}"),
+       (f"sum by (upstream) (increase(rlbatch_upstream_ejections_total{{{SIDECAR}}}[{RATE}]))",
+        "ejections {{upstream}}"),
+       (f"sum by (upstream) (increase(rlbatch_scrape_failures_total{{{SIDECAR}}}[{RATE}]))",
+        "scrape failures {{upstream}}"),
+       (f"sum by (pool) (increase(rlbatch_upstream_retries_total{{{SIDECAR}}}[{RATE}]))",
+        "retries {{pool}}")),
+    _p("Upstreams", "KV cache usage per pool, as the sidecar reads it", "percentunit",
+       (f"rlbatch_kv_cache_usage_ratio{{{SIDECAR}}}", "{{instance}} {{pool}}")),
+    _p("Upstreams", "vLLM running and waiting requests", "short",
+       (f"sum by (instance) (vllm:num_requests_running{{{VLLM}}})", "running {{instance}}"),
+       (f"sum by (instance) (vllm:num_requests_waiting{{{VLLM}}})", "waiting {{instance}}")),
+    _p("Upstreams", "vLLM KV cache usage", "percentunit",
+       (f"max by (instance) (vllm:kv_cache_usage_perc{{{VLLM}}})", "{{instance}}")),
+    _p("Upstreams", "vLLM preemptions (per second)", "ops",
+       (f"sum by (instance) (rate(vllm:num_preemptions_total{{{VLLM}}}[{RATE}]))",
+        "{{instance}}")),
+    _p("Limits", "Limit trips (per second)", "ops",
+       (f"sum by (limit) (rate(rlbatch_limit_trips_total{{{SIDECAR}}}[{RATE}]))", "{{limit}}")),
+    _p("Limits", "Request bytes held, connections open, prompts being counted", "short",
+       (f"rlbatch_held_body_bytes{{{SIDECAR}}}", "held bytes {{instance}}"),
+       (f"rlbatch_connections_open{{{SIDECAR}}}", "connections {{instance}}"),
+       (f"rlbatch_requests_counting{{{SIDECAR}}}", "counting {{instance}}")),
+    _p("Limits", "Scrape targets up (sidecars, vLLM servers)", "short",
+       (f"up{{{SIDECAR}}}", "{{job}} {{instance}}"),
+       (f"up{{{VLLM}}}", "{{job}} {{instance}}")),
+)
+"""Every panel, in display order."""
+
+VARIABLES: tuple[tuple[str, str, str, str | None], ...] = (
+    # Outside Kubernetes there is no namespace label: "All" must match its absence.
+    ("namespace", "Namespace", "label_values(rlbatch_controller_info, namespace)", ".*"),
+    ("job", "Sidecar job", 'label_values(rlbatch_controller_info{namespace=~"$namespace"}, job)',
+     None),
+    ("instance", "Sidecar replica",
+     f"label_values(rlbatch_controller_info{{{JOB}}}, instance)", None),
+    ("vllm_job", "vLLM job",
+     'label_values(vllm:num_requests_running{namespace=~"$namespace"}, job)', None),
+)
+"""``(name, label, query, value of "All")``: each a multi-value query variable (``None``: "All"
+is every value the query finds)."""
+
+
+def _datasource() -> model.DataSourceRef:
+    return model.DataSourceRef(type_val="prometheus", uid="${datasource}")
+
+
+def _query(expr: str, legend: str, ref: int, kind: PanelKind) -> prometheus.Dataquery:
+    query = (prometheus.Dataquery().expr(expr).legend_format(legend)
+             .ref_id(chr(ord("A") + ref)).datasource(_datasource()))
+    if kind == "heatmap":
+        return query.format(PromQueryFormat.HEATMAP)
+    if kind == "table":
+        return query.instant().format(PromQueryFormat.TABLE)
+    return query.range()
+
+
+def _panel(spec: Panel, pid: int) -> Any:
+    builder: Any
+    if spec.kind == "heatmap":
+        builder = heatmap.Panel().calculate(False).y_axis(heatmap.YAxisConfig().unit(spec.unit))
+    elif spec.kind == "table":
+        builder = table.Panel()
+    else:
+        builder = timeseries.Panel().unit(spec.unit).legend(
+            common_builders.VizLegendOptions().display_mode(common.LegendDisplayMode.LIST)
+            .placement(common.LegendPlacement.BOTTOM).show_legend(True))
+    builder = builder.id(pid).title(spec.title).datasource(_datasource()).height(8).span(12)
+    for i, (expr, legend) in enumerate(spec.targets):
+        builder = builder.with_target(_query(expr, legend, i, spec.kind))
+    return builder
+
+
+def _variable(name: str, label: str, query: str, all_value: str | None) -> dash.QueryVariable:
+    var = (dash.QueryVariable(name).label(label).query(query).datasource(_datasource())
+           .multi(True).include_all(True).refresh(model.VariableRefresh.ON_TIME_RANGE_CHANGED)
+           .sort(model.VariableSort.ALPHABETICAL_ASC)
+           .current(model.VariableOption(selected=True, text="All", value="$__all")))
+    return var.all_value(all_value) if all_value is not None else var
 
 
 def dashboard() -> dict[str, Any]:
-    """The dashboard model."""
-    panels: list[dict[str, Any]] = []
-    y = 0
-    row_seen: set[str] = set()
-    x = 0
-    for pid, (row, title, unit, targets) in enumerate(PANELS, start=1):
-        if row not in row_seen:
-            if x:
-                y += 8
-                x = 0
-            row_seen.add(row)
-            panels.append({"type": "row", "title": row, "collapsed": False, "id": 100 + pid,
-                           "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})
-            y += 1
-        panels.append({
-            "type": "timeseries", "id": pid, "title": title,
-            "datasource": {"type": "prometheus", "uid": "${datasource}"},
-            "gridPos": {"h": 8, "w": 12, "x": x, "y": y},
-            "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
-            "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
-            "targets": [{"refId": chr(ord("A") + i), "expr": expr, "legendFormat": legend,
-                         "datasource": {"type": "prometheus", "uid": "${datasource}"}}
-                        for i, (expr, legend) in enumerate(targets)]})
-        x = 12 - x
-        if x == 0:
-            y += 8
-    return {
-        "title": "rlbatch sidecar", "uid": "rlbatch-sidecar", "schemaVersion": 39,
-        "version": 1, "editable": True, "tags": ["rlbatch", "vllm"],
-        "time": {"from": "now-1h", "to": "now"}, "refresh": "10s",
-        "templating": {"list": [{"name": "datasource", "type": "datasource",
-                                 "query": "prometheus", "label": "Prometheus"}]},
-        "annotations": {"list": []}, "panels": panels,
-    }
+    """The dashboard model, as Grafana's JSON."""
+    board = (dash.Dashboard("rlbatch sidecar").uid("rlbatch-sidecar").tags(["rlbatch", "vllm"])
+             .editable().time("now-1h", "now").refresh("10s").version(1)
+             .with_variable(dash.DatasourceVariable("datasource").label("Prometheus")
+                            .type("prometheus")))
+    for name, label, query, all_value in VARIABLES:
+        board = board.with_variable(_variable(name, label, query, all_value))
+    row = ""
+    for pid, spec in enumerate(PANELS, start=1):
+        if spec.row != row:  # an open row: its panels follow it on the dashboard
+            row = spec.row
+            board = board.with_row(dash.Row(row).id(100 + pid))
+        board = board.with_panel(_panel(spec, pid))
+    encoded: dict[str, Any] = json.loads(json.dumps(board.build(), cls=JSONEncoder))
+    return encoded
 
 
 def render() -> str:
     """The JSON text, as written."""
-    return json.dumps(dashboard(), indent=2) + "\n"
+    return json.dumps(dashboard(), indent=2, sort_keys=True) + "\n"
 
 
 def main() -> int:

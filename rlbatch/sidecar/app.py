@@ -61,7 +61,7 @@ from rlbatch.sidecar.connections import (
 from rlbatch.sidecar.control_tick import ControllerBuilder
 from rlbatch.sidecar.policy_files import (
     PolicyPathError,
-    check_policy_dir,
+    check_policy_path,
     confined_policy,
     policy_path_of,
 )
@@ -260,7 +260,7 @@ class ServiceRoutes:
                 raise PolicyPathError("only ppo:PATH controllers may name files")
             return spec
         resolved = confined_policy(path, settings.policy_dirs)
-        check_policy_dir(resolved, settings.max_policy_bytes)
+        check_policy_path(resolved, settings.max_policy_bytes)
         return f"ppo:{resolved}{spec_settings_text(spec)}"
 
 

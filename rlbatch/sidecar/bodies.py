@@ -7,7 +7,7 @@ uploads that announced the body cap hold the whole budget while sending a byte a
 request whose body does not fit what the others hold is answered 429 with ``Retry-After``
 (before reading anything when its ``Content-Length`` already says so). A body that does not
 arrive within ``body_timeout_s`` is answered 408. Each trip is counted
-(``rlbatch:limit_trips_total``).
+(``rlbatch_limit_trips_total``).
 """
 
 from __future__ import annotations

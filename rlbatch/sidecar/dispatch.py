@@ -27,7 +27,7 @@ from rlbatch.sidecar.upstream import DONE, QUEUED, HttpUpstream, Ticket
 
 REFUSALS: dict[str, str] = {"too_long": "rejected_too_long", "queue_full": "rejected_queue_full",
                             "unavailable": "unavailable"}
-"""Admission's refusal reasons as the outcomes ``rlbatch:requests_total`` counts."""
+"""Admission's refusal reasons as the outcomes ``rlbatch_requests_total`` counts."""
 
 
 class Dispatcher:

@@ -7,7 +7,7 @@ to ``max_model_len + 1`` tokens: "at least"), and a prompt of exactly ``max_mode
 leaves ``max_tokens`` 0; prompt + ``max_tokens`` over ``max_model_len`` only shortens the
 output. The sidecar's own ``truncate`` / ``reject`` policies answer in its words, naming the
 field to change. :class:`PromptSizer` counts a request's prompt tokens (timed, visible in
-``rlbatch:requests_counting`` while it runs) after vLLM's character check, which vLLM skips
+``rlbatch_requests_counting`` while it runs) after vLLM's character check, which vLLM skips
 for a request that truncates its own prompt (``truncate_prompt_tokens``): such a prompt
 counts as the tokens vLLM keeps of it.
 """

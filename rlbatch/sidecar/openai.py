@@ -68,7 +68,7 @@ class BadRequest(ValueError):
     :param message: the reason, naming the offending field.
     :param param: the field, when one is to blame.
     :param limit: the sidecar bound it tripped (a ``limit`` label of
-        ``rlbatch:limit_trips_total``), if any.
+        ``rlbatch_limit_trips_total``), if any.
     :param error_type: the error's ``type`` (vLLM's ``Bad Request`` for a field its models
         refuse).
     :param kind: pydantic's name of the validation error, for a field vLLM's models refuse.

@@ -3,7 +3,7 @@
 
 Each option is derived from the :class:`~rlbatch.sidecar.settings.SidecarSettings` field of the same
 name (:func:`rlbatch.settings.add_flags`: its type, default and docstring); every limit that trips
-is counted in ``rlbatch:limit_trips_total{limit}`` (docs/sidecar.md, "Limits").
+is counted in ``rlbatch_limit_trips_total{limit}`` (docs/sidecar.md, "Limits").
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rlbatch.settings import add_flags
-from rlbatch.sidecar.policy_files import check_policy_dir, policy_path_of
+from rlbatch.sidecar.policy_files import check_policy_path, policy_path_of
 from rlbatch.sidecar.settings import SidecarSettings, UpstreamSpec
 
 LIMITS: tuple[str, ...] = (
@@ -38,7 +38,7 @@ def add_production_options(parser: argparse.ArgumentParser) -> None:
     """
     d = SidecarSettings(upstreams=(UpstreamSpec("fp16", "http://127.0.0.1:8000"),))
     group = parser.add_argument_group("limits (each trip counted in "
-                                      "rlbatch:limit_trips_total)")
+                                      "rlbatch_limit_trips_total)")
     add_flags(group, SidecarSettings, only=LIMITS, defaults=d)
     group.add_argument("--policy-dir", dest="policy_dirs", type=Path, action="append",
                        default=[], metavar="DIR",
@@ -46,7 +46,7 @@ def add_production_options(parser: argparse.ArgumentParser) -> None:
                             "from (repeat for more; default: none, switching to a policy "
                             "file is off)")
     health = parser.add_argument_group("replica health (ejections counted in "
-                                       "rlbatch:upstream_ejections_total)")
+                                       "rlbatch_upstream_ejections_total)")
     add_flags(health, SidecarSettings, only=REPLICA_HEALTH, defaults=d)
 
 
@@ -65,10 +65,15 @@ def check_start_policy(spec: str, settings: SidecarSettings) -> None:
     before anything reads them (``--policy /dev/zero`` would read until memory runs out).
     The operator's own ``--policy`` is not confined to ``policy_dirs``.
 
+    Only a path that exists here is checked: any other ``PATH`` is the controller factory's
+    to resolve (``ppo:default`` names a policy shipped with the package, data installed with
+    it rather than a path the operator chose) or to report missing, so this check accepts
+    whatever the factory accepts.
+
     :param spec: the controller name.
     :param settings: the sidecar's settings.
     :raises PolicyPathError: refused (a ``ValueError``).
     """
     path = policy_path_of(spec)
-    if path is not None:
-        check_policy_dir(Path(path), settings.max_policy_bytes)
+    if path is not None and Path(path).exists():
+        check_policy_path(Path(path), settings.max_policy_bytes)

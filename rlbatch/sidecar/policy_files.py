@@ -26,31 +26,37 @@ class PolicyPathError(ValueError):
     """A policy path the sidecar refuses to read; the message names why."""
 
 
-def check_policy_dir(path: Path, max_bytes: int) -> None:
-    """Refuse a policy folder that is not a folder of two regular, small enough files.
+def check_policy_path(path: Path, max_bytes: int) -> None:
+    """Refuse a policy artifact that is not a folder of two regular, small enough files, or
+    the ``policy.json`` of one (the controller factory reads either).
 
     Only ``stat`` calls: nothing is opened or read.
 
-    :param path: the artifact folder.
+    :param path: the artifact folder, or its JSON file.
     :param max_bytes: largest size of each file.
     :raises PolicyPathError: what is wrong.
     """
     try:
-        folder = os.stat(path)
+        info = os.stat(path)
     except OSError:
         raise PolicyPathError(f"policy artifact not found at {path}") from None
-    if not stat.S_ISDIR(folder.st_mode):
+    if stat.S_ISDIR(info.st_mode):
+        files = tuple(path / name for name in POLICY_FILES)
+    elif stat.S_ISREG(info.st_mode):
+        files = (path, path.parent / POLICY_FILES[1])
+    else:
         raise PolicyPathError(f"policy path {path} is not a folder (an artifact is a folder "
-                              f"with {' and '.join(POLICY_FILES)})")
-    for name in POLICY_FILES:
+                              f"with {' and '.join(POLICY_FILES)}) nor a regular file")
+    for file in files:
         try:
-            info = os.stat(path / name)
+            info = os.stat(file)
         except OSError:
-            raise PolicyPathError(f"policy artifact not found at {path}: no {name}") from None
+            raise PolicyPathError(f"policy artifact not found at {path}: no "
+                                  f"{file.name}") from None
         if not stat.S_ISREG(info.st_mode):
-            raise PolicyPathError(f"{path / name} is not a regular file")
+            raise PolicyPathError(f"{file} is not a regular file")
         if info.st_size > max_bytes:
-            raise PolicyPathError(f"{path / name} is larger than {max_bytes} bytes "
+            raise PolicyPathError(f"{file} is larger than {max_bytes} bytes "
                                   f"({info.st_size}); raise --max-policy-bytes to load it")
 
 

@@ -91,7 +91,8 @@ class Sidecar:
                               AdmissionConfig(admission_policy,
                                               settings.max_queue_len))
         self.metrics = SidecarMetrics(self.bucket_names, self.pools,
-                                      tuple(u.name for u in self.upstreams), self.control_state)
+                                      tuple(u.name for u in self.upstreams), self.control_state,
+                                      settings.sla)
         self.dispatch = Dispatcher(self.upstreams, self.pools, admission, self.tickets,
                                    eject_after_failures=settings.eject_after_failures,
                                    eject_s=settings.eject_s,

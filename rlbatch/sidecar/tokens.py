@@ -1,7 +1,7 @@
 """Prompt length: how many tokens a request's prompt has, to pick its bucket.
 
 Three counters, chosen with ``--tokenizer`` (their cost is measured by
-``benchmarks/bench_sidecar.py`` and exported as ``rlbatch:tokenize_seconds``):
+``benchmarks/bench_sidecar.py`` and exported as ``rlbatch_tokenize_seconds``):
 
 * ``local``: the model's own ``tokenizer.json`` loaded with ``tokenizers`` in the sidecar
   (exact for completions; chat counts the messages' text plus a small per-message overhead
@@ -10,7 +10,7 @@ Three counters, chosen with ``--tokenizer`` (their cost is measured by
 * ``upstream``: the upstream's ``/tokenize`` (exact, chat template included; one extra
   round trip per request), bounded by a time limit; when it trips or the call fails the
   prompt is counted by ``approx`` instead, logged once per failure run and counted
-  (``rlbatch:limit_trips_total{limit="tokenize_timeout"|"tokenize_error"}``). After
+  (``rlbatch_limit_trips_total{limit="tokenize_timeout"|"tokenize_error"}``). After
   ``breaker_failures`` failures in a row a breaker stops calling it for ``breaker_s`` (each
   request counted by ``approx`` and ``limit="tokenize_breaker"``), then lets one call try it
   again: a hung ``/tokenize`` costs its time limit a few times, not on every request.
