@@ -1,7 +1,10 @@
 """Tune ``gradient``'s constants on training traffic only: a grid of settings, each scored by
-the geo-mean of its goodput over the best static's on every contested training run.
+the geo-mean of its goodput over the best static's on every contested training run (with the
+worst run and the runs with a bucket more than 5 points under the best static's attainment).
 
     .venv/bin/python experiments/tune_gradient.py --jobs 2
+    .venv/bin/python experiments/tune_gradient.py --controller ppo:runs/x/best \
+        --grid 'release.tpot_tolerance=1,1.25,inf'      # any controller's settings
 
 Training runs: the Azure training window at the protocol's training rate scales and every
 traffic family (``rlbatch.workload.families``) at loads 0.8-1.2 on the family judge's
@@ -22,7 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from policies.evaluation.compare import CONTESTED, gmean
+from policies.evaluation.compare import CONTESTED, gmean, starved_buckets
 from policies.evaluation.families import DRIFT, STATICS, TRAINING_SEEDS, FamilyRun
 from policies.evaluation.protocol import training_runs
 from rlbatch.serving.admission import AdmissionConfig
@@ -47,9 +50,9 @@ def parse_grid(text: str) -> dict[str, tuple[str, ...]]:
     return grid
 
 
-def grid_specs(grid: dict[str, tuple[Any, ...]]) -> list[str]:
+def grid_specs(grid: dict[str, tuple[Any, ...]], controller: str = "gradient") -> list[str]:
     keys = list(grid)
-    return ["gradient[" + ",".join(f"{k}={v}" for k, v in zip(keys, values, strict=True)) + "]"
+    return [controller + "[" + ",".join(f"{k}={v}" for k, v in zip(keys, values, strict=True)) + "]"
             for values in itertools.product(*(grid[k] for k in keys))]
 
 
@@ -60,9 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grid", type=parse_grid, default=GRID,
                    help="settings to cross, e.g. 'increase=4,8;cooldown_s=15,30'")
     p.add_argument("--loads", default="0.8,1.0,1.2", help="family loads")
+    p.add_argument("--controller", default="gradient",
+                   help="the controller whose settings the grid crosses")
     args = p.parse_args(argv)
     spec = DeploymentSpec(admission=AdmissionConfig(over_length="truncate"))
-    candidates = grid_specs(args.grid)
+    candidates = grid_specs(args.grid, args.controller)
     controllers = [*STATICS, *candidates]
     workloads: list[tuple[str, EvalJob]] = []
     for rs in training_runs():
@@ -84,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             by_workload[name][row["controller"]] = row
     ratios: dict[str, list[float]] = defaultdict(list)
     worst: dict[str, float] = defaultdict(lambda: math.inf)
+    starved: dict[str, int] = defaultdict(int)
     contested = 0
     for runs in by_workload.values():
         best = max((runs[s] for s in STATICS), key=lambda r: float(r["goodput_rps"]))
@@ -94,9 +100,10 @@ def main(argv: list[str] | None = None) -> int:
             ratio = float(runs[c]["goodput_rps"]) / float(best["goodput_rps"])
             ratios[c].append(ratio)
             worst[c] = min(worst[c], ratio)
+            starved[c] += bool(starved_buckets(runs[c], best))
     print(f"{contested} contested training runs of {len(by_workload)}")
     for c in sorted(candidates, key=lambda c: -gmean(ratios[c])):
-        print(f"{gmean(ratios[c]):.3f}  worst {worst[c]:.2f}  {c}")
+        print(f"{gmean(ratios[c]):.3f}  worst {worst[c]:.2f}  starved {starved[c]}  {c}")
     return 0
 
 

@@ -250,7 +250,7 @@ def test_metric_names_and_tags_are_unique() -> None:
     assert len(tags) == len(set(tags))
     assert all(m.kind in ("gauge", "counter") for m in METRICS)
     assert all(m.group in ("rollout", "engine", "decision", "guard") for m in METRICS)
-    assert metric("guard_overrides").prom_name == "rlbatch:guard_overrides"
+    assert metric("guard_overrides").tb_name == "guard/guard_overrides"
     with pytest.raises(KeyError, match="no metric"):
         metric("nope")
 

@@ -1,7 +1,7 @@
 """The one table of metric names read off a DeploymentStats snapshot.
 
-Each :class:`StatMetric` names a quantity once: its Prometheus name (``rlbatch:<name>``;
-the client library adds ``_total`` to counters), its TensorBoard tag
+Each :class:`StatMetric` names a quantity once: its base name (the sidecar's Prometheus
+name derives from it: :func:`rlbatch.sidecar.prom.prom_name`), its TensorBoard tag
 (``<group>/<name>[/<label value>]``), its kind, its label and the function that reads it from
 a tick's stats. The sidecar's ``/metrics`` and TensorBoard writer and training's TensorBoard
 callback all derive their names and values from :data:`METRICS`, so they agree.
@@ -25,7 +25,6 @@ from rlbatch.control.types import DeploymentStats, route_choices
 
 MetricKind = Literal["gauge", "counter"]
 LabelKind = Literal["none", "bucket", "pool", "rule"]
-PROM_PREFIX = "rlbatch:"
 
 
 @dataclass(frozen=True)
@@ -49,7 +48,8 @@ Reader = Callable[[DeploymentStats, MetricContext], tuple[float, ...]]
 class StatMetric:
     """One metric of the table.
 
-    :param name: base name (Prometheus ``rlbatch:<name>``, TensorBoard ``<group>/<name>``).
+    :param name: base name (Prometheus ``rlbatch_<name>``, a 0-1 fraction renamed
+        ``..._ratio``; TensorBoard ``<group>/<name>``).
     :param group: TensorBoard prefix: ``rollout``, ``engine``, ``decision`` or ``guard``.
     :param help: one line for Prometheus' HELP and the docs.
     :param kind: ``gauge`` (a level) or ``counter`` (the tick's increment).
@@ -64,10 +64,6 @@ class StatMetric:
     kind: MetricKind
     label: LabelKind
     read: Reader
-
-    @property
-    def prom_name(self) -> str:
-        return PROM_PREFIX + self.name
 
     @property
     def tb_name(self) -> str:
