@@ -4,6 +4,7 @@ moves; the fine-tuned network still serves as a policy artifact."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,7 +12,12 @@ import torch
 
 from policies.artifact import load_artifact
 from policies.ppo import PpoController
-from policies.training.finetune import FinetuneConfig, finetune, recipe_env_kwargs
+from policies.training.finetune import (
+    FinetuneConfig,
+    finetune,
+    finetune_many,
+    recipe_env_kwargs,
+)
 from policies.training.recipe import RecipeConfig, build_student, export_student
 from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, TotalShareCodec
 from rlbatch.control.observation import observation_size
@@ -66,3 +72,27 @@ def test_zero_steps_is_a_no_op(tmp_path: Path) -> None:
     assert not _moved(before, _snapshot(policy, ""))
     with pytest.raises(ValueError, match="steps >= 0"):
         FinetuneConfig(steps=-1)
+
+
+def test_each_episode_comes_back_as_a_run_row(tmp_path: Path) -> None:
+    """Fine-tuning's episodes are logged as the other phases' runs: the env's summary with
+    the ticks of each total and bucket cap in force (decision_ticks per decision)."""
+    cfg = RecipeConfig(out=str(tmp_path), net_arch=(8,))
+    policy = build_student(cfg, CODEC, observation_size(4, cfg.obs_version))
+    workload = make_scenario("day", seed=0, duration_s=40.0)
+    kwargs = recipe_env_kwargs(cfg.gpu, cfg.model, cfg.pools, 40.0, cfg.obs_version,
+                               cfg.decision_ticks)
+    rows: list[tuple[dict[str, Any], int]] = []
+    finetune_many(policy, [(kwargs, lambda: workload)],
+                  FinetuneConfig(steps=64, n_steps=32, batch_size=8, n_epochs=1), seed=0,
+                  on_episode=lambda row, decisions: rows.append((row, decisions)))
+    assert rows
+    decisions = [n for _, n in rows]
+    assert decisions == sorted(decisions) and decisions[-1] <= 64
+    for row, _ in rows:
+        assert set(row["per_bucket"]) == set(row["bucket_cap_ticks"]) == {
+            "0-1k", "1k-2k", "2k-4k", "4k+"}
+        ticks = sum(row["max_num_seqs_ticks"].values())
+        assert ticks % cfg.decision_ticks == 0 and ticks > 0
+        assert all(sum(t.values()) == ticks for t in row["bucket_cap_ticks"].values())
+        assert row["sla_ttft_s"] > 0 and row["guard_overrides"] >= 0

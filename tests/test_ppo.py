@@ -40,6 +40,26 @@ def test_tiny_run_writes_artifacts_and_logs(tiny_run: tuple[Path, object]) -> No
     assert meta["guard"]["ladder"] == meta["ladder"]
 
 
+def test_caps_are_logged_per_workload_by_bucket_name(tiny_run: tuple[Path, object]) -> None:
+    """Each evaluation workload's own median caps, buckets by name; no cap is drawn as 0 and
+    no mean of caps over the envs' workloads is logged."""
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    out, _ = tiny_run
+    board = EventMultiplexer()
+    board.AddRunsFromDirectory(str(out / "tb"))
+    board.Reload()
+    ((name, tags),) = board.Runs().items()
+    caps = [t for t in tags["scalars"] if "/batch_cap/" in t]
+    buckets = {"0-1k", "1k-2k", "2k-4k", "4k+"}
+    assert {t.rsplit("/", 1)[1] for t in caps} == buckets
+    assert {f"eval/night/static:16/batch_cap/{b}" for b in buckets} <= set(caps)
+    assert {f"eval/night/ppo/batch_cap/{b}" for b in buckets} <= set(caps)
+    assert not any(t.startswith("decision/batch_cap/") for t in tags["scalars"])
+    assert all(e.value > 0 for t in caps for e in board.Scalars(name, t))
+    assert board.Scalars(name, "eval/night/static:16/batch_cap/4k+")[0].value == 16.0
+
+
 def test_exported_artifact_acts_like_the_sb3_model(tmp_path: Path) -> None:
     from stable_baselines3 import PPO
 

@@ -6,6 +6,7 @@ with the baselines (``train.py`` at the repository root is its entry point).
     python train.py --members 3 --out runs/ensemble   # 3 students, shipped as one
     python train.py --method ppo --timesteps 20000 --out runs/quick   # PPO from scratch
     python train.py --seeds 0,1,2 --ray --out runs/seeds   # 3 seeds as Ray tasks
+    python train.py --smoke               # every phase in about a minute (runs/smoke)
     tensorboard --logdir runs
 
 The logic lives in :mod:`policies.training.recipe` (teacher -> behaviour cloning -> DAgger
@@ -23,12 +24,13 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
 from policies.evaluation.comparison import final_comparison
 from policies.evaluation.protocol import render
+from policies.training.board import record_hparams
 from policies.training.distill import LABELS
 from policies.training.members import train_students
 from policies.training.multiseed import protocol_comparison, run_seeds, seed_runs, tb_logger
@@ -41,6 +43,20 @@ from rlbatch.engine.config import format_pools
 from rlbatch.paths import resolve_trace_ref
 from rlbatch.scale.cluster import add_ray_option
 from rlbatch.serving.deployment import DeploymentSpec
+
+SMOKE_OPTIONS: dict[str, dict[str, Any]] = {
+    "distill": {"episodes": 6, "recipe_episode_s": 60.0, "dagger_rounds": 1,
+                "dagger_episodes": 3, "epochs": 5, "finetune_steps": 3072,
+                "train_deployments": "none", "no_compare": True, "out": "runs/smoke"},
+    "ppo": {"timesteps": 2048, "episode_s": 60.0, "eval_freq": 0, "no_compare": True,
+            "out": "runs/smoke-ppo"},
+}
+"""``--smoke``: the defaults it gives each method's options (explicit options still win):
+short workloads, few of them, one DAgger round, three fine-tuning rollouts (two fit the
+value head only), one deployment, no comparison; every phase still runs and writes its
+artifact and TensorBoard logs."""
+SMOKE_SELECTION_RATES: tuple[float, ...] = (0.7,)
+"""``--smoke``'s validation rate scales (selection has no option for them)."""
 
 
 def _seed_list(text: str) -> list[int]:
@@ -100,6 +116,12 @@ def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
     p.add_argument("--no-compare", action="store_true",
                    help="skip the final comparison")
     p.add_argument("--no-progress", action="store_true", help="no progress output")
+    p.add_argument("--smoke", action="store_true",
+                   help="a preset that runs every phase end to end in about a minute on 2 "
+                        "cores (tiny workloads, few decisions, a short fine-tune, one "
+                        "validation rate, no comparison; OUT runs/smoke): a check of the "
+                        "pipeline and its TensorBoard logs, not a policy to ship; options "
+                        "given explicitly still win")
     _add_recipe_options(p.add_argument_group("recipe (--method distill)"), r)
     _add_recipe_traffic_options(
         p.add_argument_group("recipe: what it trains on (--method distill)"), r)
@@ -232,6 +254,8 @@ def _recipe_config(args: argparse.Namespace, traces: tuple[str, ...],
 
     :raises ValueError: an invalid option value.
     """
+    if args.smoke:
+        extra = {"selection_rates": SMOKE_SELECTION_RATES, **extra}
     return RecipeConfig(seed=args.seed, traces=traces, gpu=args.gpu, model=args.model,
                         pools=format_pools(args.pools), teacher=args.teacher,
                         episodes=args.episodes, episode_s=args.recipe_episode_s,
@@ -270,6 +294,7 @@ def main_distill(args: argparse.Namespace) -> int:
     try:
         summary = train_students(cfg, log=log, progress=say, ray=args.ray,
                                  quiet=args.no_progress)
+        record_hparams(log, asdict(cfg), summary)
     finally:
         writer.close()
     print(f"trained in {summary['wall_s']:.0f} s on {summary['decisions']} teacher decisions; "
@@ -369,10 +394,21 @@ def main_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_args(argv: list[str] | None = None, prog: str = "train.py") -> argparse.Namespace:
+    """The command line; ``--smoke`` gives its preset (:data:`SMOKE_OPTIONS`) as defaults, so
+    that options given explicitly win."""
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        parser.set_defaults(**SMOKE_OPTIONS[args.method])
+        args = parser.parse_args(argv)
+    args.prog = prog
+    return args
+
+
 def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
     """The training command (``train.py``; ``prog``: the name its usage and errors give)."""
-    args = build_parser(prog).parse_args(argv)
-    args.prog = prog
+    args = parse_args(argv, prog)
     # PPO trains in one process (SB3): Ray parallelises its seeds, so --ray implies seeds.
     if args.tune is not None:
         return main_tune(args)

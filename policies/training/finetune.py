@@ -18,17 +18,24 @@ more checkpoint for the recipe's selection on full-length validation windows.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
+from tqdm import tqdm
 
 from rlbatch.control.action_codec import SHARE_LADDER
 from rlbatch.control.discipline import PPO_QUEUE_ORDER
 from rlbatch.control.hold_release import HoldRelease
+from rlbatch.serving.run import tick_fields
 from rlbatch.workload import Workload
+
+EpisodeLog = Callable[[dict[str, Any], int], None]
+"""``on_episode(row, decisions)``: a finished fine-tuning episode's run row and the
+decisions taken so far (all envs)."""
 
 
 @dataclass(frozen=True)
@@ -113,16 +120,18 @@ def finetune_many(policy: Any,
                   sources: Sequence[tuple[dict[str, Any], Callable[[], Workload]]],
                   cfg: FinetuneConfig, seed: int,
                   log: Callable[[str, float, int], None] | None = None,
-                  obs_range: tuple[Sequence[float], Sequence[float]] | None = None) -> Any:
+                  obs_range: tuple[Sequence[float], Sequence[float]] | None = None, *,
+                  on_episode: EpisodeLog | None = None, progress: bool = False) -> Any:
     """:func:`finetune` over several deployments at once: one env per ``(env_kwargs, draw)``
     source, stepped together; each rollout keeps about ``cfg.n_steps`` decisions in all.
 
     :param sources: env arguments and workload drawer of each deployment (same spaces).
     :param obs_range: ``(low, high)`` to clip every observation into (:class:`ClipObservation`).
+    :param on_episode: called with each finished episode's row (:class:`EpisodeRows`).
+    :param progress: a progress bar over the decisions.
     """
     import torch
     from stable_baselines3 import PPO
-    from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.monitor import Monitor
     from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
 
@@ -157,6 +166,26 @@ def finetune_many(policy: Any,
                 clip_range=cfg.clip_range, ent_coef=cfg.ent_coef, seed=seed, verbose=0,
                 policy_kwargs={"net_arch": arch}, device="cpu")
     model.policy.load_state_dict(policy.state_dict())
+    rows = EpisodeRows([k.get("decision_ticks", 1) for k, _ in sources], on_episode)
+    bar = tqdm(total=cfg.steps, desc="fine-tuning", unit="decision", disable=not progress,
+               leave=False)
+    callback = _callback(model, cfg, say, rows, bar)
+    try:
+        model.learn(total_timesteps=cfg.steps, callback=callback, progress_bar=False)
+    finally:
+        bar.close()
+    vec.close()
+    policy.load_state_dict(model.policy.state_dict())
+    return policy
+
+
+def _callback(model: Any, cfg: FinetuneConfig, say: Callable[[str, float, int], None],
+              rows: EpisodeRows, bar: Any) -> Any:
+    """The SB3 callback of fine-tuning: PPO's figures under ``finetune/`` after each
+    rollout, the value-head warm-up, each finished episode's row and the progress bar."""
+    import torch
+    from stable_baselines3.common.callbacks import BaseCallback
+
     full_optimizer = model.policy.optimizer
     # The actor's parameters left out: the value head alone learns during the warm-up.
     value_params = [*model.policy.mlp_extractor.value_net.parameters(),
@@ -184,12 +213,46 @@ def finetune_many(policy: Any,
                 else full_optimizer)
 
         def _on_step(self) -> bool:
+            rows.step(self.locals.get("infos", ()), self.num_timesteps)
+            bar.update(self.training_env.num_envs)
             return True
 
-    model.learn(total_timesteps=cfg.steps, callback=Logger(), progress_bar=False)
-    vec.close()
-    policy.load_state_dict(model.policy.state_dict())
-    return policy
+    return Logger()
+
+
+class EpisodeRows:
+    """Run rows of the fine-tuning episodes, as :func:`rlbatch.serving.run.run` writes them
+    for the other phases: the env's episode summary plus the totals and caps in force and
+    the guard's overrides, gathered step by step (each step's action counted for its
+    decision's ticks).
+
+    :param decision_ticks: ticks per decision of each env.
+    :param on_episode: called with each finished episode's row (``None``: nothing kept).
+    """
+
+    def __init__(self, decision_ticks: Sequence[int], on_episode: EpisodeLog | None) -> None:
+        self.decision_ticks = list(decision_ticks)
+        self.on_episode = on_episode
+        self.actions: list[Counter[tuple[int | None, tuple[int | None, ...]]]] = [
+            Counter() for _ in decision_ticks]
+        self.overrides = [0] * len(decision_ticks)
+
+    def step(self, infos: Sequence[dict[str, Any]], decisions: int) -> None:
+        """One vectorised step's infos (one per env, in env order)."""
+        if self.on_episode is None:
+            return
+        for i, info in enumerate(infos):
+            stats = info.get("stats")
+            if stats is not None:
+                self.actions[i][stats.action.max_num_seqs, stats.action.caps] += (
+                    self.decision_ticks[i])
+            self.overrides[i] += len(info.get("overrides", ()))
+            summary = info.get("episode_summary")
+            if summary is not None:
+                row = {**summary, "guard_overrides": self.overrides[i],
+                       **tick_fields(self.actions[i], list(summary["per_bucket"]))}
+                self.actions[i], self.overrides[i] = Counter(), 0
+                self.on_episode(row, decisions)
 
 
 def _steps_per_env(cfg: FinetuneConfig, n_envs: int) -> int:

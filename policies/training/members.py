@@ -18,6 +18,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from policies.training.board import Board
 from policies.training.ensemble import save_ensemble
 from policies.training.ppo_trainer import training_record
 from policies.training.recipe import RecipeConfig, run_recipe
@@ -61,6 +62,8 @@ def _prefixed(log: Callable[[str, float, int], None] | None, prefix: str
               ) -> Callable[[str, float, int], None] | None:
     if log is None:
         return None
+    if isinstance(log, Board):  # keeps its histograms
+        return log.prefixed(prefix)
     return lambda tag, value, step: log(prefix + tag, value, step)
 
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from policies.evaluation.protocol import (
     unseen_runs,
     user_pick,
 )
+from policies.training.board import Board, recipe_layout, record_hparams
 from policies.training.members import train_students
 from policies.training.ppo_trainer import TrainConfig, train
 from policies.training.recipe import RecipeConfig
@@ -81,16 +82,15 @@ def seed_runs(method: str, base: RecipeConfig | TrainConfig, seeds: Sequence[int
                     torch_threads) for s in seeds]
 
 
-def tb_logger(folder: Path) -> tuple[Any, Callable[[str, float, int], None]]:
-    """A TensorBoard writer in ``folder`` and a ``log(tag, value, step)`` for it."""
+def tb_logger(folder: Path) -> tuple[Any, Board]:
+    """A TensorBoard writer in ``folder`` and the recipe's :class:`~policies.training.board.
+    Board` over it (its ``log(tag, value, step)``), the custom-scalars layout written."""
     from torch.utils.tensorboard import SummaryWriter
 
     writer = SummaryWriter(str(folder))
-
-    def log(tag: str, value: float, step: int) -> None:
-        writer.add_scalar(tag, value, step)
-
-    return writer, log
+    board = Board(writer)
+    board.layout(recipe_layout())
+    return writer, board
 
 
 def train_seed(run: SeedRun, _shared: Any = None) -> dict[str, Any]:
@@ -108,6 +108,7 @@ def train_seed(run: SeedRun, _shared: Any = None) -> dict[str, Any]:
         writer, log = tb_logger(out / "tb" / "recipe")
         try:
             summary = train_students(run.config, log=log)
+            record_hparams(log, asdict(run.config), summary)
         finally:
             writer.close()
         return {"seed": run.seed, "best": str(Path(summary["best"]).parent),

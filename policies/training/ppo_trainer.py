@@ -10,7 +10,7 @@ import json
 import math
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -22,6 +22,7 @@ import envs
 from policies.artifact import load_artifact, save_artifact
 from policies.evaluation.compare import starved_buckets
 from policies.ppo import PpoController
+from policies.training.board import ticks_median
 from rlbatch import __version__
 from rlbatch.control.controllers import make_controller
 from rlbatch.control.discipline import PPO_QUEUE_ORDER
@@ -38,6 +39,8 @@ from rlbatch.workload.scenarios import make_scenario, slice_trace
 
 TB_SAMPLE_EVERY = 10
 """Ticks between two samples of the metric table in training's TensorBoard means."""
+CAP_TAG = "decision/batch_cap/"
+"""The table's cap tags: training logs caps as histograms (:func:`bucket_limits`), not means."""
 
 @dataclass
 class TrainConfig:
@@ -190,6 +193,58 @@ def eval_score(row: dict[str, Any], statics: list[dict[str, Any]]) -> float:
     return min(ratio, 1.5) - 0.1 * len(starved_buckets(row, best))
 
 
+class TickMeans:
+    """Training's TensorBoard figures over a logging period: the metric table's means (every
+    :data:`TB_SAMPLE_EVERY`-th tick), the reward parts' means, and each bucket's caps as a
+    histogram (:func:`bucket_limits`).
+
+    :param bucket_names: bucket names, in bucket order.
+    :param pool_names: pool names, in the deployment's order.
+    """
+
+    def __init__(self, bucket_names: tuple[str, ...], pool_names: tuple[str, ...]) -> None:
+        self.bucket_names = bucket_names
+        self.pool_names = pool_names
+        self.sums: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, int] = defaultdict(int)
+        self.caps: dict[str, list[float]] = defaultdict(list)
+        self.count = 0
+
+    def add(self, info: dict[str, Any]) -> None:
+        """One env step's info (nothing without typed ``stats``)."""
+        stats = info.get("stats")
+        if not isinstance(stats, DeploymentStats):
+            return
+        self.count += 1
+        # The whole table costs ~40 us a tick (~3% of a PPO step); a mean over every
+        # TB_SAMPLE_EVERY-th tick of the 2,000 logged is as good a curve.
+        if self.count % TB_SAMPLE_EVERY == 0:
+            ctx = MetricContext(self.bucket_names, self.pool_names, Counter(info["overrides"]))
+            for tag, value in tensorboard_scalars(stats, ctx).items():
+                if math.isfinite(value) and not tag.startswith(CAP_TAG):
+                    self.sums[tag] += value
+                    self.counts[tag] += 1
+            for name, limit in bucket_limits(stats, self.bucket_names).items():
+                self.caps[name].append(limit)
+        for k, v in info["reward_parts"].items():
+            self.sums[f"reward/{k}"] += float(v)
+            self.counts[f"reward/{k}"] += 1
+
+    def flush(self, logger: Any) -> None:
+        """Record the period's figures in an SB3 logger and start a new period."""
+        for k, v in self.sums.items():
+            logger.record(k, v / self.counts[k])
+        # the envs serve different workloads: a mean cap over them is a cap no workload had;
+        # the distribution is what the policy chose
+        for name, caps in self.caps.items():
+            logger.record(f"decision/batch_cap_hist/{name}", np.asarray(caps),
+                          exclude=("stdout", "log", "json", "csv"))
+        self.sums.clear()
+        self.counts.clear()
+        self.caps.clear()
+        self.count = 0
+
+
 class TrainingCallbacks:
     """Builds the SB3 callback that logs the metric table's scalars (read off each tick's
     typed stats, tags from :data:`rlbatch.control.stats_metrics.METRICS`) and the reward parts,
@@ -208,9 +263,7 @@ class TrainingCallbacks:
         class Callback(BaseCallback):
             def __init__(self) -> None:
                 super().__init__()
-                self.sums: dict[str, float] = defaultdict(float)
-                self.counts: dict[str, int] = defaultdict(int)
-                self.count = 0
+                self.means = TickMeans(bucket_names, pool_names)
                 self.baseline_rows: dict[str, dict[str, dict[str, Any]]] = {}
                 self.best_score = -math.inf
                 self.last_eval = 0
@@ -229,36 +282,14 @@ class TrainingCallbacks:
                         self._record_row(f"eval/{name}/{b}", row)
 
             def _record_row(self, prefix: str, row: dict[str, Any]) -> None:
-                for key in ("goodput_rps", "ttft_p99_s", "tpot_p99_s", "sla_attainment"):
-                    value = row[key]
-                    if value is not None and not (isinstance(value, float)
-                                                  and math.isnan(value)):
-                        self.logger.record(f"{prefix}/{key}", float(value))
+                for key, value in row_figures(row).items():
+                    self.logger.record(f"{prefix}/{key}", value)
 
             def _on_step(self) -> bool:
                 for info in self.locals.get("infos", []):
-                    stats = info.get("stats")
-                    if not isinstance(stats, DeploymentStats):
-                        continue
-                    self.count += 1
-                    # The whole table costs ~40 us a tick (~3% of a PPO step); a mean over
-                    # every TB_SAMPLE_EVERY-th tick of the 2,000 logged is as good a curve.
-                    if self.count % TB_SAMPLE_EVERY == 0:
-                        ctx = MetricContext(bucket_names, pool_names,
-                                            Counter(info["overrides"]))
-                        for tag, value in tensorboard_scalars(stats, ctx).items():
-                            if math.isfinite(value):
-                                self.sums[tag] += value
-                                self.counts[tag] += 1
-                    for k, v in info["reward_parts"].items():
-                        self.sums[f"reward/{k}"] += float(v)
-                        self.counts[f"reward/{k}"] += 1
-                if self.count >= 2000:
-                    for k, v in self.sums.items():
-                        self.logger.record(k, v / self.counts[k])
-                    self.sums.clear()
-                    self.counts.clear()
-                    self.count = 0
+                    self.means.add(info)
+                if self.means.count >= 2000:
+                    self.means.flush(self.logger)
                 if cfg.eval_freq and self.num_timesteps - self.last_eval >= cfg.eval_freq:
                     self.last_eval = self.num_timesteps
                     self.evaluate()
@@ -283,7 +314,8 @@ class TrainingCallbacks:
                 self.logger.record("eval/score", score)
                 self.history.append({"timesteps": self.num_timesteps, "score": score})
                 self.logger.record("figures/caps_vs_load",
-                                   Figure(caps_figure(ticks, workloads[-1][0]), close=True),
+                                   Figure(caps_figure(ticks, workloads[-1][0], bucket_names),
+                                          close=True),
                                    exclude=("stdout", "log", "json", "csv"))
                 self.logger.record("figures/throughput_latency",
                                    Figure(tradeoff_figure(self.baseline_rows, rows), close=True),
@@ -298,8 +330,43 @@ class TrainingCallbacks:
         return Callback()
 
 
-def caps_figure(ticks: list[DeploymentStats], title: str) -> Any:
-    """Caps per bucket over time against the arrival rate (one eval run)."""
+def bucket_limits(stats: DeploymentStats, bucket_names: Sequence[str]) -> dict[str, float]:
+    """Each bucket's cap in force, by name; a bucket without a cap of its own: the total
+    (which alone holds its requests then); neither: left out (not 0, which would read as
+    "admit nothing")."""
+    total = stats.action.max_num_seqs
+    out = {}
+    for name, cap in zip(bucket_names, stats.action.caps, strict=True):
+        limit = total if cap is None else cap
+        if limit is not None:
+            out[name] = float(limit)
+    return out
+
+
+def row_limits(row: dict[str, Any]) -> dict[str, float]:
+    """A run's median total and each bucket's median cap (``total_median``,
+    ``batch_cap/<bucket>``), as :func:`bucket_limits` counts them; no limit: left out."""
+    out = {"total_median": ticks_median(row.get("max_num_seqs_ticks", {}))}
+    for name, ticks in row.get("bucket_cap_ticks", {}).items():
+        out[f"batch_cap/{name}"] = ticks_median(ticks)
+    return {k: v for k, v in out.items() if math.isfinite(v)}
+
+
+def row_figures(row: dict[str, Any]) -> dict[str, float]:
+    """An evaluation run's figures: goodput, P99s, SLA attainment, and the run's own median
+    total and caps (:func:`row_limits`: one workload's, never a mean over workloads)."""
+    out = row_limits(row)
+    for key in ("goodput_rps", "ttft_p99_s", "tpot_p99_s", "sla_attainment"):
+        value = row[key]
+        if value is not None and not (isinstance(value, float) and math.isnan(value)):
+            out[key] = float(value)
+    return out
+
+
+def caps_figure(ticks: list[DeploymentStats], title: str,
+                bucket_names: Sequence[str]) -> Any:
+    """Caps per bucket over time against the arrival rate (one eval run); a bucket without a
+    cap of its own is drawn at the total, one without either has a gap."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -308,10 +375,9 @@ def caps_figure(ticks: list[DeploymentStats], title: str) -> Any:
     fig, ax = plt.subplots(figsize=(8, 4))
     if ticks:
         t = [s.time_s for s in ticks]
-        n_b = len(ticks[0].action.caps)
-        for b in range(n_b):
-            ax.step(t, [s.action.caps[b] or 0 for s in ticks], where="post",
-                    label=f"cap bucket {b}")
+        for name in bucket_names:
+            ax.step(t, [bucket_limits(s, bucket_names).get(name, math.nan) for s in ticks],
+                    where="post", label=f"cap {name}")
         ax2 = ax.twinx()
         window = 10
         arrivals = np.convolve([sum(s.arrived) for s in ticks], np.ones(window) / window,

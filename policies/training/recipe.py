@@ -17,7 +17,8 @@ fine-tuning -> selection.
    under the evaluation's over-length policy; the best is exported as the policy artifact.
 
 Every phase logs to TensorBoard under its own prefix (``teacher/``, ``student/``,
-``dagger/``, ``finetune/``, ``select/``).
+``dagger/``, ``finetune/``, ``select/``), each run at one global step, the simulated control
+ticks so far (:mod:`policies.training.board`); behaviour cloning's loss is per epoch.
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 from policies.artifact import copy_artifact, load_artifact
 from policies.evaluation.protocol import deployment_rate_scale
 from policies.ppo import PpoController
+from policies.training.board import log_run, log_runs
 from policies.training.distill import (
     Demonstrations,
     LabellingController,
@@ -354,7 +357,7 @@ class Recipe:
     :param log: ``callable(tag, value, step)`` (TensorBoard scalars), optional.
     :param ray: run the teacher / DAgger episodes as Ray tasks (``None``: in this process;
         :data:`rlbatch.scale.LOCAL` or a cluster address); the data are the same.
-    :param quiet: no progress bar for those Ray tasks.
+    :param quiet: no progress bars.
     """
 
     def __init__(self, cfg: RecipeConfig,
@@ -382,6 +385,8 @@ class Recipe:
         self.history: list[dict[str, Any]] = []
         self.knee: dict[str, Sequence[float]] | None = None
         """The validation rate scales the knee scan chose per trace (``selection_knee``)."""
+        self.step = 0
+        """The global step of TensorBoard: simulated control ticks of every phase so far."""
 
     def labeller(self, actor: Any = None) -> LabellingController:
         return make_labeller(self.cfg, self.codec, actor)
@@ -407,8 +412,10 @@ class Recipe:
                      else PpoController(load_artifact(student), name="student",
                                         order=PPO_QUEUE_ORDER))
             labeller = self.labeller(actor)
+            bar = tqdm(episodes, desc="teacher" if student is None else "dagger",
+                       unit="episode", disable=self.quiet, leave=False)
             done = [collect(labeller, [w], self._spec(d, slas, i))
-                    for i, (d, w) in enumerate(episodes)]
+                    for i, (d, w) in enumerate(bar)]
             return [demos for demos, _ in done], [row for _, rows in done for row in rows]
         from rlbatch.scale import connect, failed, run_tasks
 
@@ -448,13 +455,12 @@ class Recipe:
         """Phase 1: the teacher drives; returns its run rows."""
         tagged, slas = self.episodes(self.cfg.episodes)
         rows = self._gather(tagged, slas)
-        for i, row in enumerate(rows):
-            self.log("teacher/goodput_rps", float(row["goodput_rps"] or 0.0), i)
-            self.log("teacher/sla_attainment", float(row["sla_attainment"] or 0.0), i)
+        for row in rows:
+            self.step = log_runs(self.log, "teacher", [row], self.step)
             # the total the teacher kept, per kind of traffic (workload name without its seed)
             self.log(f"teacher/total_median/{str(row['trace']).split('[')[0]}",
-                     float(row["max_num_seqs_median"]), i)
-        self.log("teacher/decisions", float(sum(d.decisions for d in self.demos)), 0)
+                     float(row["max_num_seqs_median"]), self.step)
+        self.log("teacher/decisions", float(sum(d.decisions for d in self.demos)), self.step)
         return rows
 
     def fit(self, policy: Any, phase: str, step: int) -> float:
@@ -467,10 +473,10 @@ class Recipe:
 
         fit_policy(policy, data, epochs=self.cfg.epochs, learning_rate=self.cfg.learning_rate,
                    seed=self.cfg.seed + step, log=on_epoch)
-        self.log(f"{phase}/action_accuracy", accuracy[0], step)
+        self.log(f"{phase}/action_accuracy", accuracy[0], self.step)
         errors = total_errors(policy, self.demos, self.kinds)
         for kind, error in errors.items():
-            self.log(f"{phase}/total_error/{kind}", error, step)
+            self.log(f"{phase}/total_error/{kind}", error, self.step)
         if self.cfg.dagger_focus:
             self.family_weights = focus_weights(errors)
         return accuracy[0]
@@ -486,9 +492,8 @@ class Recipe:
         drawn at :attr:`family_weights` (``dagger_focus``)."""
         tagged, slas = self.episodes(self.cfg.dagger_episodes, self.family_weights)
         rows = self._gather(tagged, slas, artifact)
-        for i, row in enumerate(rows):
-            self.log("dagger/student_goodput_rps", float(row["goodput_rps"] or 0.0),
-                     round_ * self.cfg.dagger_episodes + i)
+        self.step = log_runs(self.log, "dagger", rows, self.step)
+        self.log("dagger/round", float(round_ + 1), self.step)
         return rows
 
     def finetune(self, policy: Any) -> Any:
@@ -505,26 +510,41 @@ class Recipe:
                                               cfg.shares),
                             drawer(one, self.rng, self.traces)))
         bounds = self.fitted_range().get("obs_range")
+        start = self.step
+
+        def at(decisions: int) -> int:  # fine-tuning counts decisions, the board ticks
+            self.step = max(self.step, start + decisions * cfg.decision_ticks)
+            return start + decisions * cfg.decision_ticks
+
         return finetune_many(policy, sources, FinetuneConfig(steps=cfg.finetune_steps),
-                             cfg.seed, self.log,
-                             None if bounds is None else (bounds["low"], bounds["high"]))
+                             cfg.seed, lambda tag, value, n: self.log(tag, value, at(n)),
+                             None if bounds is None else (bounds["low"], bounds["high"]),
+                             on_episode=lambda row, n: log_run(self.log, "finetune", row,
+                                                               at(n)),
+                             progress=not self.quiet)
 
     def select(self, candidates: Sequence[Path]) -> tuple[Path, list[float]]:
         """Phase 4: score every checkpoint on full-length validation windows against the
         best static of each window; the best wins (ties: the later one)."""
         validation, statics, self.knee = validation_statics(self.cfg, self.specs, self.log)
         scores = []
-        for i, path in enumerate(candidates):
+        bar = tqdm(total=len(candidates) * len(validation), desc="selection", unit="run",
+                   disable=self.quiet, leave=False)
+        for path in candidates:
             per = []
             for name, d, w in validation:
                 row = run(w, make_controller(f"ppo:{path}"), self.specs[d]).row
                 per.append(eval_score(row, statics[name]))
+                self.step = log_runs(self.log, "select", [row], self.step)
                 if name.startswith("family "):  # does the checkpoint read the traffic?
                     self.log(f"select/total_median/{name.removeprefix('family ')}",
-                             float(row["max_num_seqs_median"]), i)
+                             float(row["max_num_seqs_median"]), self.step)
+                bar.update()
             scores.append(float(np.mean(per)))
-            self.log("select/score", scores[-1], i)
+            self.log("select/score", scores[-1], self.step)
+        bar.close()
         best = max(range(len(candidates)), key=lambda i: (scores[i], i))
+        self.log("select/best_score", scores[best], self.step)
         return candidates[best], scores
 
 
@@ -537,7 +557,7 @@ def run_recipe(cfg: RecipeConfig, log: Callable[[str, float, int], None] | None 
     :param log: TensorBoard scalars ``callable(tag, value, step)``.
     :param progress: phase messages.
     :param ray: run the teacher and DAgger episodes as Ray tasks (same data).
-    :param quiet: no progress bar for the Ray tasks.
+    :param quiet: no progress bars.
     """
     if cfg.members > 1:
         raise ValueError(f"run_recipe trains one student; members={cfg.members} is "

@@ -313,6 +313,32 @@ def _p(values: np.ndarray, q: float) -> float:
     return float(np.percentile(values, q)) if len(values) else math.nan
 
 
+def _per_bucket(buckets: Buckets, bucket_idx: np.ndarray, refused: Sequence[FinishedRequest],
+                met: np.ndarray, ttft: np.ndarray, tpot: np.ndarray, span: float
+                ) -> dict[str, dict[str, Any]]:
+    """The row's ``per_bucket`` field: each bucket's completions, refusals, goodput,
+    attainment and P99s (``bucket_idx``, ``met``, ``ttft``, ``tpot``: one entry per completed
+    request)."""
+    rejected_b = [0] * len(buckets)
+    for r in refused:
+        rejected_b[r.bucket] += 1
+    per_bucket: dict[str, dict[str, Any]] = {}
+    for b, name in enumerate(buckets.names):
+        mask = bucket_idx == b
+        n_done = int(mask.sum())
+        n_met = int(met[mask].sum()) if n_done else 0
+        n_rej = rejected_b[b]
+        per_bucket[name] = {
+            "completed": n_done,
+            "rejected": n_rej,
+            "goodput_rps": n_met / span,
+            "sla_attainment": (n_met / (n_done + n_rej)) if (n_done + n_rej) else math.nan,
+            "ttft_p99_s": _p(ttft[mask], 99),
+            "tpot_p99_s": _p(tpot[mask], 99),
+        }
+    return per_bucket
+
+
 def summarize(
     records: Sequence[FinishedRequest],
     buckets: Buckets,
@@ -348,24 +374,8 @@ def summarize(
     served_tokens = sum(map(attrgetter("prompt_tokens"), done)) + out_tokens
     fp8_tokens = sum(r.prompt_tokens + r.output_tokens for r in done if r.pool == "fp8")
     decided = len(done) + rejected + unfinished
-    per_bucket: dict[str, dict[str, Any]] = {}
     bucket_idx = np.fromiter(map(attrgetter("bucket"), done), np.int64, n)
-    rejected_b = [0] * len(buckets)
-    for r in refused:
-        rejected_b[r.bucket] += 1
-    for b, name in enumerate(buckets.names):
-        mask = bucket_idx == b
-        n_done = int(mask.sum())
-        n_met = int(met[mask].sum()) if n_done else 0
-        n_rej = rejected_b[b]
-        per_bucket[name] = {
-            "completed": n_done,
-            "rejected": n_rej,
-            "goodput_rps": n_met / span,
-            "sla_attainment": (n_met / (n_done + n_rej)) if (n_done + n_rej) else math.nan,
-            "ttft_p99_s": _p(ttft[mask], 99),
-            "tpot_p99_s": _p(tpot[mask], 99),
-        }
+    per_bucket = _per_bucket(buckets, bucket_idx, refused, met, ttft, tpot, span)
     return {
         "submitted": submitted,
         "completed": len(done),
@@ -383,6 +393,9 @@ def summarize(
         "e2e_p99_s": _p(e2e, 99),
         # Every submitted request counts: rejected and unfinished ones did not meet the SLA.
         "sla_attainment": int(met.sum()) / decided if decided else math.nan,
+        # the SLA judged against: training draws one per workload, and a P99 reads against it
+        "sla_ttft_s": sla.ttft_s,
+        "sla_tpot_s": sla.tpot_s,
         "preemptions": totals.preemptions,
         "kv_overflows": totals.kv_overflows,
         "kv_cache_usage_peak": totals.kv_cache_usage_peak,

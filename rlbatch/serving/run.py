@@ -6,7 +6,7 @@ import gc
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -91,9 +91,10 @@ def run(
     deployment = build_deployment(spec)
     if can_fork(deployment):
         controller.bind(DeploymentTwin(deployment))
-    # how long each total (max_num_seqs, as the guard let it through) was in force: whether
-    # a controller reads the traffic shows as totals that move between workloads
-    totals: Counter[int | None] = Counter()
+    # how long each total (max_num_seqs, as the guard let it through) and each bucket's cap
+    # were in force: whether a controller reads the traffic shows as totals that move
+    # between workloads
+    actions: Counter[tuple[int | None, tuple[int | None, ...]]] = Counter()
     loop = ControlLoop(deployment, workload.requests, controller.reset(deployment.info),
                        discipline=controller.discipline, window_s=window_s, drain_s=drain_s)
     try:
@@ -105,7 +106,7 @@ def run(
                 if loop.finished:
                     break
                 action = controller.decide(stats)
-                totals[action.max_num_seqs] += 1
+                actions[action.max_num_seqs, action.caps] += 1
                 loop.apply(action)
     finally:
         deployment.close()
@@ -120,13 +121,37 @@ def run(
     }
     row.update(loop.summary())
     row["guard_overrides"] = controller.guard_overrides_total
-    row["max_num_seqs_ticks"] = {("none" if k is None else str(k)): n
-                                 for k, n in sorted(totals.items(), key=_total_order)}
-    row["max_num_seqs_median"] = _median_total(totals)
+    row.update(tick_fields(actions, info.buckets.names))
     row.update(controller.row_extras())
     row["wall_seconds"] = time.perf_counter() - wall_start
     row["speedup_x"] = row["sim_seconds"] / row["wall_seconds"] if row["wall_seconds"] > 0 else 0.0
     return RunResult(row=row, records=loop.records)
+
+
+def tick_fields(actions: Counter[tuple[int | None, tuple[int | None, ...]]],
+                bucket_names: Sequence[str]) -> dict[str, Any]:
+    """The row's fields of the actions in force: ``max_num_seqs_ticks`` (ticks per total,
+    ``"none"``: no total), ``max_num_seqs_median`` and ``bucket_cap_ticks`` (per bucket,
+    ticks per cap; a bucket without a cap of its own counts the total, which alone holds
+    its requests then; ``"none"``: neither).
+
+    :param actions: ticks per ``(max_num_seqs, caps)`` in force.
+    :param bucket_names: the buckets, in the order of ``caps``.
+    """
+    totals: Counter[int | None] = Counter()
+    caps: list[Counter[int | None]] = [Counter() for _ in bucket_names]
+    for (total, bucket_caps), n in actions.items():
+        totals[total] += n
+        for counter, cap in zip(caps, bucket_caps, strict=True):
+            counter[total if cap is None else cap] += n
+    return {"max_num_seqs_ticks": _ticks(totals), "max_num_seqs_median": _median_total(totals),
+            "bucket_cap_ticks": {name: _ticks(counter)
+                                 for name, counter in zip(bucket_names, caps, strict=True)}}
+
+
+def _ticks(counter: Counter[int | None]) -> dict[str, int]:
+    return {("none" if k is None else str(k)): n
+            for k, n in sorted(counter.items(), key=_total_order)}
 
 
 def _total_order(item: tuple[int | None, int]) -> float:

@@ -1,6 +1,7 @@
-"""The sidecar's control ticks to TensorBoard (``--logdir``), with the ``tensorboard`` package
-alone (no torch): one event per tick, on tensorboard's own writer thread, so a tick never
-waits for the disk.
+"""The sidecar's control ticks to TensorBoard (``--logdir``), written by tensorboardX's
+``SummaryWriter`` (a core dependency: the sidecar needs neither torch nor the ``tensorboard``
+package): events are queued and written on the writer's own thread, so a tick never waits
+for the disk.
 
 Tags are the snapshot table's (:data:`rlbatch.control.stats_metrics.METRICS`: ``rollout/``,
 ``engine/``, ``decision/``, ``guard/``, the same tags training writes) plus the sidecar's own
@@ -10,7 +11,6 @@ Tags are the snapshot table's (:data:`rlbatch.control.stats_metrics.METRICS`: ``
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +34,13 @@ def tick_scalars(stats: DeploymentStats, ctx: MetricContext, *, fallback: bool,
     return {tag: value for tag, value in scalars.items() if math.isfinite(value)}
 
 
+EVENTS_QUEUED = 4096
+"""Events the writer holds before a tick would wait for its thread: one tick writes about
+a hundred (one per scalar), so the disk may stall for tens of ticks."""
+
+
 class DecisionWriter:
-    """Scalars of the control ticks, one event per tick.
+    """Scalars of the control ticks, each at the tick's number as its step.
 
     :param logdir: TensorBoard log directory (created on :meth:`open`).
     """
@@ -43,44 +48,33 @@ class DecisionWriter:
     def __init__(self, logdir: Path) -> None:
         self.logdir = logdir
         self._writer: Any = None
-        self._pb: Any = None
 
     def open(self, settings_text: str) -> None:
-        """Create the event file and write the settings once. Does I/O.
+        """Create the event file and write the settings once, as text. Does I/O.
 
         :param settings_text: the settings, as Markdown text.
-        :raises ValueError: the ``tensorboard`` package is not installed.
+        :raises ValueError: the ``tensorboardX`` package is not installed.
         """
         try:
-            from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2
-            from tensorboard.summary.writer.event_file_writer import EventFileWriter
-        except ImportError as exc:  # pragma: no cover - depends on the environment
-            raise ValueError(f"--logdir needs the 'tensorboard' package ({exc}); install the "
-                             f"'rl' extra or drop --logdir") from None
+            from tensorboardX import SummaryWriter
+        except ImportError as exc:  # pragma: no cover - a core dependency
+            raise ValueError(f"--logdir needs the 'tensorboardX' package ({exc}): "
+                             f"pip install tensorboardX, or drop --logdir") from None
         self.logdir.mkdir(parents=True, exist_ok=True)
-        self._pb = (event_pb2, summary_pb2, tensor_pb2)
-        self._writer = EventFileWriter(str(self.logdir), flush_secs=5,
-                                       filename_suffix=".sidecar")
-        meta = summary_pb2.SummaryMetadata(
-            plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="text"))
-        tensor = tensor_pb2.TensorProto(dtype=7, string_val=[settings_text.encode()])  # string
-        value = summary_pb2.Summary.Value(tag="sidecar/settings", metadata=meta, tensor=tensor)
-        self._writer.add_event(event_pb2.Event(wall_time=time.time(), step=0,
-                                               summary=summary_pb2.Summary(value=[value])))
+        self._writer = SummaryWriter(str(self.logdir), max_queue=EVENTS_QUEUED, flush_secs=5,
+                                     filename_suffix=".sidecar")
+        self._writer.add_text("sidecar/settings", settings_text, 0)
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
-        """One tick's scalars (queued; tensorboard's thread writes them).
+        """One tick's scalars (queued; the writer's thread writes them).
 
         :param step: the tick number.
         :param scalars: tag -> value.
         """
         if self._writer is None:
             return
-        event_pb2, summary_pb2, _ = self._pb
-        values = [summary_pb2.Summary.Value(tag=tag, simple_value=float(v))
-                  for tag, v in scalars.items()]
-        self._writer.add_event(event_pb2.Event(wall_time=time.time(), step=step,
-                                               summary=summary_pb2.Summary(value=values)))
+        for tag, value in scalars.items():
+            self._writer.add_scalar(tag, float(value), step)
 
     def close(self) -> None:
         """Flush and close (does I/O)."""
