@@ -30,7 +30,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from policies.artifact import ArtifactError, PolicyArtifact, load_artifact
 from policies.rules import GuardedController
@@ -65,6 +65,13 @@ def resolve_policy(ref: str) -> Path:
     if shipped.is_relative_to(SHIPPED_POLICIES) and (shipped / "policy.json").is_file():
         return shipped
     return path
+
+
+def artifact_release(artifact: PolicyArtifact) -> HoldRelease | None:
+    """The hold release a policy is served with: none for a student trained without it (its
+    artifact records ``hold_release: false``: it learned not to hold requests too long),
+    else the default one."""
+    return None if artifact.metadata.get("hold_release") is False else DEFAULT_RELEASE
 
 
 def artifact_guard(artifact: PolicyArtifact) -> GuardConfig:
@@ -122,16 +129,18 @@ class PpoController(GuardedController):
         and kept in :attr:`guard_warnings`.
     :param release: when what the policy holds back is released
         (:class:`~rlbatch.control.hold_release.HoldRelease`); ``None``: the policy's trims
-        and total stand however long requests wait.
+        and total stand however long requests wait; ``artifact``: as the policy was trained
+        (:func:`artifact_release`).
     :param order: the order of admission's queues (:mod:`rlbatch.control.discipline`;
         default :data:`~rlbatch.control.discipline.PPO_QUEUE_ORDER`).
     """
 
     def __init__(self, artifact: PolicyArtifact, name: str = "ppo",
                  guard: GuardConfig | None = None,
-                 release: HoldRelease | None = DEFAULT_RELEASE,
+                 release: HoldRelease | Literal["artifact"] | None = "artifact",
                  order: QueueOrder = PPO_QUEUE_ORDER) -> None:
-        super().__init__(name, guard or artifact_guard(artifact), order, release)
+        super().__init__(name, guard or artifact_guard(artifact), order,
+                         artifact_release(artifact) if release == "artifact" else release)
         self.artifact = artifact
         self.guard_warnings = guard_warnings(artifact, self.guard.config)
         for line in self.guard_warnings:
@@ -193,7 +202,8 @@ class PpoSettings:
         policies are fine-tuned and served in, or ``fifo``).
     :param release: when what the policy holds back is released
         (:class:`~rlbatch.control.hold_release.HoldRelease`: ``release.wait_fraction``,
-        ``release.tpot_tolerance``); ``none``: never.
+        ``release.tpot_tolerance``); ``none``: never. Default: the one the policy was
+        trained with (:func:`artifact_release`).
     :param guard: the guard to serve behind (default: the one the artifact records; ``guard.*``
         settings change that one, and any difference from it is logged as a warning).
     """
@@ -216,6 +226,7 @@ def ppo_factory(arg: str, settings: Mapping[str, Any]) -> PpoController:
         raise ValueError("ppo needs an artifact path, e.g. ppo:policies/default")
     artifact = load_artifact(resolve_policy(arg))
     # guard.* settings change the guard the artifact records, not the default one
-    cfg = apply(PpoSettings(guard=artifact_guard(artifact)), settings)
+    cfg = apply(PpoSettings(guard=artifact_guard(artifact), release=artifact_release(artifact)),
+                settings)
     return PpoController(artifact, name=f"ppo:{arg}", guard=cfg.guard, release=cfg.release,
                          order=cfg.order)

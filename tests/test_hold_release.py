@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from envs.batch_size import BatchSizeEnv
-from policies.ppo import PpoController, ppo_factory
+from policies.artifact import copy_artifact, load_artifact
+from policies.ppo import PpoController, artifact_release, ppo_factory
 from rlbatch.buckets import Buckets
 from rlbatch.control.controllers import make_controller
 from rlbatch.control.guard import GuardConfig
@@ -241,3 +243,16 @@ def test_env_releases_what_the_action_holds_exactly_when_a_queue_head_has_waited
     assert in_force[None] == {(2, 16)}
     assert released["cap"] > 0 and released["total"] > 0 and released["in_engine"] > 0
     assert released["slow"] > 0
+
+
+def test_a_student_trained_without_the_release_is_served_without_it(tmp_path: Path) -> None:
+    trained_without = copy_artifact(Path("policies/default"), tmp_path / "student",
+                                    {"hold_release": False})
+    served = make_controller(f"ppo:{trained_without}")
+    assert isinstance(served, PpoController) and served.pipeline.release is None
+    assert artifact_release(served.artifact) is None
+    assert PpoController(served.artifact).pipeline.release is None
+    # the shipped policy records nothing: behind the default release, as it was trained
+    assert artifact_release(load_artifact(Path("policies/default"))) == HoldRelease()
+    asked = make_controller(f"ppo:{trained_without}[release.wait_fraction=0.25]").pipeline
+    assert asked is not None and asked.release == HoldRelease(0.25)

@@ -136,6 +136,11 @@ def _add_recipe_options(g: argparse._ArgumentGroup, r: RecipeConfig) -> None:
                    help="teacher workloads (behaviour cloning)")
     g.add_argument("--dagger-rounds", type=int, default=r.dagger_rounds)
     g.add_argument("--dagger-episodes", type=int, default=r.dagger_episodes)
+    g.add_argument("--hold-release", action=argparse.BooleanOptionalAction,
+                   default=r.hold_release,
+                   help="train and serve the student behind the hold release "
+                        "(--no-hold-release: without it, learning not to hold requests past "
+                        "their TTFT from the teacher's labels)")
     g.add_argument("--dagger-focus", action=argparse.BooleanOptionalAction,
                    default=r.dagger_focus,
                    help="draw each DAgger round's traffic families at odds that grow with the "
@@ -260,7 +265,7 @@ def _recipe_config(args: argparse.Namespace, traces: tuple[str, ...],
                         pools=format_pools(args.pools), teacher=args.teacher,
                         episodes=args.episodes, episode_s=args.recipe_episode_s,
                         dagger_rounds=args.dagger_rounds, dagger_episodes=args.dagger_episodes,
-                        dagger_focus=args.dagger_focus,
+                        dagger_focus=args.dagger_focus, hold_release=args.hold_release,
                         decision_ticks=args.decision_ticks, epochs=args.epochs,
                         obs_version=args.obs_version, selection_knee=args.selection_knee,
                         mix_share=args.mix_share, selection_mixes=args.selection_mixes,

@@ -263,11 +263,13 @@ def _steps_per_env(cfg: FinetuneConfig, n_envs: int) -> int:
 
 
 def recipe_env_kwargs(gpu: str, model: str, pools: str, episode_s: float, obs_version: int,
-                      decision_ticks: int, shares: tuple[float, ...] = SHARE_LADDER
-                      ) -> dict[str, Any]:
+                      decision_ticks: int, shares: tuple[float, ...] = SHARE_LADDER,
+                      hold_release: bool = True) -> dict[str, Any]:
     """The env arguments that give a recipe student's spaces and deployment, and the hold
-    release and queue order it is served with (``ppo:PATH``'s defaults)."""
+    release (none with ``hold_release`` off) and queue order it is served with
+    (``ppo:PATH``'s defaults for its artifact)."""
     return {"gpu": gpu, "model": model, "pools": pools, "episode_s": episode_s,
             "action_kind": "total_share", "obs_version": obs_version,
             "decision_ticks": decision_ticks, "shares": tuple(shares),
-            "release": HoldRelease(), "queue_order": PPO_QUEUE_ORDER}
+            "release": HoldRelease() if hold_release else None,
+            "queue_order": PPO_QUEUE_ORDER}

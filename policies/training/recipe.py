@@ -110,6 +110,10 @@ class RecipeConfig:
     :param dagger_focus: draw each DAgger round's families at odds that grow with the
         student's distance from the teacher's total on each family so far
         (:mod:`policies.training.focus`); off: uniformly, as the teacher's episodes.
+    :param hold_release: the student drives (DAgger, fine-tuning, selection) and is served
+        behind the hold release (:mod:`rlbatch.control.hold_release`); off: without it, so
+        that it learns from the teacher's labels not to hold requests past their TTFT
+        instead of leaning on the rule (its artifact records ``hold_release: false``).
     :param decision_ticks: ticks between two student decisions (held in between).
     :param obs_version: student observation version.
     :param net_arch: hidden layers of the student.
@@ -173,6 +177,7 @@ class RecipeConfig:
     dagger_rounds: int = 2
     dagger_episodes: int = 12
     dagger_focus: bool = True
+    hold_release: bool = True
     decision_ticks: int = 5
     obs_version: int = 5
     net_arch: tuple[int, ...] = (64, 64)
@@ -343,6 +348,8 @@ def export_student(policy: Any, cfg: RecipeConfig, codec: TotalShareCodec, path:
         "recipe": "mpc teacher -> behaviour cloning -> DAgger -> PPO fine-tuning -> selection",
         # the student acts behind the guard ppo:PATH builds from its ladder (artifact_guard)
         "guard": guard_record(GuardConfig(ladder=tuple(codec.totals))),
+        # served behind the hold release it drove behind in training (artifact_release)
+        "hold_release": cfg.hold_release,
         # a student that reads the SLA serves the SLAs it was trained under (check_trained_sla)
         **({"sla_ttft_s": list(cfg.sla_ttft_s), "sla_tpot_s": list(cfg.sla_tpot_s)}
            if cfg.obs_version >= 5 else {}),
@@ -507,7 +514,7 @@ class Recipe:
                           rate_scale=cfg.multiplier(d))
             sources.append((recipe_env_kwargs(gpu, model, cfg.pools, cfg.episode_s,
                                               cfg.obs_version, cfg.decision_ticks,
-                                              cfg.shares),
+                                              cfg.shares, cfg.hold_release),
                             drawer(one, self.rng, self.traces)))
         bounds = self.fitted_range().get("obs_range")
         start = self.step
