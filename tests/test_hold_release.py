@@ -114,6 +114,17 @@ def test_the_total_is_released_while_tpot_is_within_the_tolerance(
     assert release(action, stats, tolerance=1.0).max_num_seqs == 16  # within the SLA only
 
 
+def test_a_release_of_the_trims_only_keeps_the_total() -> None:
+    late = _stats((1, 1, 1, 1), (3.0,) * 4, 0.05, unserved_s=3.0)
+    both = release_late_holds(TRIMMED, late, wait_s=1.0, tpot_sla_s=0.1, max_total=256)
+    assert both.caps == (None, None, None, None) and both.max_num_seqs == 256
+    trims = release_late_holds(TRIMMED, late, wait_s=1.0, tpot_sla_s=0.1, max_total=256,
+                               release_total=False)
+    assert trims.caps == (None, None, None, None) and trims.max_num_seqs == 16
+    served = make_controller("ppo:policies/default[release.total=false]").pipeline
+    assert served is not None and served.release == HoldRelease(total=False)
+
+
 @pytest.mark.parametrize("tolerance", [1.0, math.inf])
 def test_a_window_without_tpot_does_not_hold_the_total(tolerance: float) -> None:
     # no decode finished in the window (a stall): nothing says the total keeps TPOT in check

@@ -62,10 +62,13 @@ class HoldRelease:
     :param wait_fraction: a held queue head may wait this fraction of the SLA's TTFT (> 0).
     :param tpot_tolerance: the total is released unless the window's TPOT P99 is over this
         multiple of the SLA's TPOT (>= 1; ``math.inf``: whatever TPOT is).
+    :param total: release the total too; off: only the trims (a policy that chooses its
+        total for the traffic keeps it).
     """
 
     wait_fraction: float = HOLD_RELEASE_FRACTION
     tpot_tolerance: float = RELEASE_TPOT_TOLERANCE
+    total: bool = True
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.wait_fraction) and self.wait_fraction > 0):
@@ -82,7 +85,8 @@ DEFAULT_RELEASE = HoldRelease()
 
 def release_late_holds(action: ControlAction, stats: DeploymentStats | None, *,
                        wait_s: float, tpot_sla_s: float, max_total: int,
-                       tpot_tolerance: float = RELEASE_TPOT_TOLERANCE) -> ControlAction:
+                       tpot_tolerance: float = RELEASE_TPOT_TOLERANCE,
+                       release_total: bool = True) -> ControlAction:
     """``action`` with the holds the module docstring describes released.
 
     :param action: the policy's proposal.
@@ -93,6 +97,7 @@ def release_late_holds(action: ControlAction, stats: DeploymentStats | None, *,
     :param tpot_tolerance: the total is released unless the window's TPOT P99 is over this
         multiple of the SLA's TPOT (``math.inf``: whatever TPOT is; a window with no TPOT
         sample never holds it).
+    :param release_total: release the total as well as the trims.
     :raises ValueError: ``wait_s`` is not positive, or ``tpot_tolerance`` is under 1.
     """
     if not wait_s > 0:
@@ -111,7 +116,7 @@ def release_late_holds(action: ControlAction, stats: DeploymentStats | None, *,
             released = True
     # not (over): a window with no TPOT sample (nan) does not hold the total, as the guard's
     # P99 rule reads no breach there
-    if (total < max_total
+    if (release_total and total < max_total
             and max(stats.oldest_unserved_s, *stats.oldest_wait_s) >= wait_s
             and not stats.window.tpot_p99_all_s > tpot_sla_s * tpot_tolerance):
         total = max_total

@@ -79,7 +79,7 @@ class DecisionPipeline:
         return release_late_holds(
             proposal, stats, wait_s=self.release.wait_fraction * self._sla.ttft_s,
             tpot_sla_s=self._sla.tpot_s, max_total=self.guard.config.max_cap,
-            tpot_tolerance=self.release.tpot_tolerance)
+            tpot_tolerance=self.release.tpot_tolerance, release_total=self.release.total)
 
     def fallback_action(self) -> ControlAction:
         """Safe caps when no observation can be had (e.g. a metrics scrape failed)."""
