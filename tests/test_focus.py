@@ -9,7 +9,12 @@ import numpy as np
 import pytest
 
 from policies.training.distill import Demonstrations, fit_policy
-from policies.training.episodes import TRAINING_FAMILIES, draw_family, sample_tagged_episodes
+from policies.training.episodes import (
+    TRAINING_FAMILIES,
+    draw_family,
+    family_episode,
+    sample_tagged_episodes,
+)
 from policies.training.focus import FOCUS_FLOOR, focus_weights, total_errors
 from policies.training.recipe import RecipeConfig, build_student
 from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, TotalShareCodec
@@ -71,3 +76,22 @@ def test_tagged_episodes_name_their_kind_and_keep_the_untagged_draws() -> None:
     only_code = sample_tagged_episodes(replace(cfg, family_share=1.0),
                                        np.random.default_rng(3), 6, [], {"code": 1.0})
     assert [kind for kind, _ in only_code] == ["code"] * 6
+
+
+def test_drifts_pass_through_the_families_at_the_focus_odds() -> None:
+    """With focus odds, a drift's two families are drawn at them (distinct, the second from
+    the rest); without odds the draws stay uniform."""
+    cfg = RecipeConfig(traces=(), family_share=1.0, episode_s=60.0, deployments=())
+    rng = np.random.default_rng(5)
+    pairs = [family_episode(cfg, rng, 1.0, "drift", {"code": 8.0, "chat": 1.0, "drift": 9.0})
+             .name.split("-")[1:] for _ in range(200)]
+    assert all(len(set(p)) == 2 for p in pairs)
+    assert {f for p in pairs for f in p} == {"code", "chat"}
+    assert 0.8 < sum(p[0] == "code" for p in pairs) / 200 < 0.97
+    only_code = [family_episode(cfg, rng, 1.0, "drift", {"code": 1.0}).name.split("-")[1:]
+                 for _ in range(40)]
+    assert all(p[0] == "code" and p[1] != "code" for p in only_code)
+    assert len({p[1] for p in only_code}) == 3
+    uniform = {tuple(family_episode(cfg, rng, 1.0, "drift").name.split("-")[1:])
+               for _ in range(120)}
+    assert len(uniform) == 12

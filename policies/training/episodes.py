@@ -83,7 +83,8 @@ def sample_tagged_episodes(cfg: EpisodeConfig, rng: np.random.Generator, n: int,
         # drawn only when asked, so that recipes without families keep their draws
         if cfg.family_share > 0 and rng.random() < cfg.family_share:
             family = draw_family(rng, family_weights)
-            out.append((family, (deployment, family_episode(cfg, rng, multiplier, family))))
+            out.append((family, (deployment, family_episode(cfg, rng, multiplier, family,
+                                                            family_weights))))
             continue
         if not traces or rng.random() < cfg.generated_share:
             kind = ("bursty", "diurnal", "night", "day")[int(rng.integers(4))]
@@ -152,20 +153,41 @@ def draw_family(rng: np.random.Generator,
 
 
 def family_episode(cfg: EpisodeConfig, rng: np.random.Generator, multiplier: float,
-                   family: str) -> Workload:
+                   family: str, family_weights: Mapping[str, float] | None = None
+                   ) -> Workload:
     """A traffic family (:mod:`rlbatch.workload.families`) or ``drift`` (two distinct
     families in turn, half the episode each), at a load log-uniform in
     ``cfg.family_loads`` (units of the family's knee on the first deployment) times the
-    deployment's multiplier; its seed is drawn from ``rng``."""
+    deployment's multiplier; its seed is drawn from ``rng``.
+
+    :param family_weights: relative odds of the families a drift passes through (those of
+        :data:`TRAINING_FAMILIES` other than ``drift``; ``None`` or all 0: uniform), so that
+        a drift leaves and enters the families the student imitates worst as often as they
+        are drawn alone.
+    """
     low, high = cfg.family_loads
     load = float(np.exp(rng.uniform(np.log(low), np.log(high)))) * multiplier
     seed = int(rng.integers(2**31))
     if family == "drift":
-        names = list(FAMILIES)
-        first = names.pop(int(rng.integers(len(names))))
-        second = names[int(rng.integers(len(names)))]
+        first, second = _drift_pair(rng, family_weights)
         return drift((first, second), load, cfg.episode_s, cfg.episode_s / 2, seed)
     return family_workload(family, load, cfg.episode_s, seed)
+
+
+def _drift_pair(rng: np.random.Generator, family_weights: Mapping[str, float] | None
+                ) -> tuple[str, str]:
+    names = list(FAMILIES)
+    odds = np.array([float((family_weights or {}).get(f, 0.0)) for f in names])
+    if family_weights is None or not odds.sum() > 0:
+        # uniform draws as before, so that recipes without focus keep their episodes
+        first = names.pop(int(rng.integers(len(names))))
+        return first, names[int(rng.integers(len(names)))]
+    i = int(rng.choice(len(names), p=odds / odds.sum()))
+    rest = np.delete(odds, i)
+    others = names[:i] + names[i + 1:]
+    if not rest.sum() > 0:
+        return names[i], others[int(rng.integers(len(others)))]
+    return names[i], others[int(rng.choice(len(others), p=rest / rest.sum()))]
 
 
 def drawer(cfg: EpisodeConfig, rng: np.random.Generator,
