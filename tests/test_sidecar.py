@@ -404,7 +404,7 @@ def test_scrape_failure_applies_guard_fallback_caps(caplog: pytest.LogCaptureFix
     assert "fallback caps" in caplog.text and "back in charge" in caplog.text
 
 
-def test_queue_full_and_queue_timeout_answer_429_and_cancel_frees_slot() -> None:
+def test_queue_full_answers_429_queue_ttl_503_and_cancel_frees_slot() -> None:
     async def scenario() -> None:
         async with fakes(Faults("hang")) as (up,):
             settings = make_settings(("fp16", up.url), max_queue_len=2, queue_timeout_s=1.0)
@@ -420,9 +420,12 @@ def test_queue_full_and_queue_timeout_answer_429_and_cancel_frees_slot() -> None
                 status, data, headers = await post(s, url, {"prompt": "x"})
                 assert status == 429 and "is full" in json.loads(data)["error"]["message"]
                 assert headers.get("Retry-After") == "1"
-                for task in waiting:
-                    status, data, _ = await task
-                    assert status == 429 and "without being admitted" in data.decode()
+                for task in waiting:  # the queue TTL (--queue-timeout-s) expires them
+                    status, data, headers = await task
+                    assert status == 503 and "without being admitted" in data.decode()
+                    assert headers.get("Retry-After") == "1"
+                assert sample(sidecar, "rlbatch_requests_total", bucket="0-128",
+                              outcome="expired_queue_ttl") == 2
                 assert up.counters.requests == 1 and up.counters.running == 1
                 first.cancel()  # the client goes away: its upstream request is cancelled
                 with contextlib.suppress(asyncio.CancelledError):

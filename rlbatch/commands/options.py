@@ -28,6 +28,7 @@ from rlbatch.engine.reserve import KV_RESERVE_MODES
 from rlbatch.engine.vllm.config import TINY_MODEL, VllmEngineConfig
 from rlbatch.serving.admission import AdmissionConfig
 from rlbatch.serving.deployment import DeploymentSpec
+from rlbatch.settings import add_flags
 
 GPU_HELP = "GPU profile name or JSON file (a100-80g, h100-80g, h200-141g)"
 MODEL_HELP = ("model profile name or JSON file (llama-2-7b, llama-3.1-8b, llama-2-70b, "
@@ -126,6 +127,16 @@ def add_deployment_options(parser: argparse.ArgumentParser) -> None:
     add_over_length_option(g)
     g.add_argument("--max-queue-len", type=int, default=None,
                    help="per-bucket admission queue bound (default unbounded)")
+    add_flags(g, AdmissionConfig, only=("queue_ttl_s", "reject_ttft_slack",
+                                        "max_num_queued_tokens", "max_retry_after_s"))
+    g.add_argument("--clients", default="patient", metavar="MIX",
+                   help="the clients behind the arrivals: patient (wait forever, never "
+                        "retry), sdk (the openai client's defaults: 600-s timeout, 2 "
+                        "retries on 408/409/429/5xx and timeouts, Retry-After honoured up "
+                        "to 120 s, else backoff 0.5-8 s with jitter), interactive (gives up "
+                        "without a first token after 20 s, no retry), or a mix such as "
+                        "interactive:0.3,sdk:0.7; a client that gives up cancels its "
+                        "request (rlbatch/serving/clients.py)")
     add_buckets_option(g)
     g.add_argument("--no-event-skipping", action="store_true",
                    help="step every iteration (same results, slower; for checking)")
@@ -168,7 +179,12 @@ def deployment_spec_from_args(args: argparse.Namespace) -> DeploymentSpec:
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
         buckets=args.buckets,
         admission=AdmissionConfig(over_length=args.over_length,
-                                  max_queue_len=args.max_queue_len),
+                                  max_queue_len=args.max_queue_len,
+                                  queue_ttl_s=args.queue_ttl_s,
+                                  reject_ttft_slack=args.reject_ttft_slack,
+                                  max_num_queued_tokens=args.max_num_queued_tokens,
+                                  max_retry_after_s=args.max_retry_after_s),
+        clients=args.clients, clients_seed=getattr(args, "seed", 0),
         event_skipping=not args.no_event_skipping,
         enable_prefix_caching=not args.no_prefix_caching,
         kv_offload_gib=args.kv_offload_gib,

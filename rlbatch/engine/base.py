@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from rlbatch.engine.reserve import KvCommitMode
-from rlbatch.engine.stats import EngineStats
+from rlbatch.engine.stats import AbortedRequest, EngineStats
 from rlbatch.request import Request
 
 
@@ -95,6 +95,22 @@ class Engine(Protocol):
     def step(self, bound_s: float) -> None:
         """Run one iteration; may run further iterations while nothing but decoding happens
         and the clock at the start of the next one is below ``bound_s``."""
+        ...
+
+    def abort(self, request_id: int, *,
+              before_first_token: bool = False) -> AbortedRequest | None:
+        """Remove the request from the engine at the current iteration boundary (waiting,
+        prefilling, decoding or preempted), freeing its KV blocks as vLLM does on abort
+        (prefix-cached blocks stay cached and evictable, as a finished request's do). It
+        never finishes and is counted in the next snapshot's ``aborted``.
+
+        :param request_id: the workload's request id.
+        :param before_first_token: abort only a request that has not produced its first
+            token yet (one that has is left running).
+        :returns: what it had cost; ``None`` when the engine does not hold it (finished
+            already, never added) or, with ``before_first_token``, when it already produced
+            its first token.
+        """
         ...
 
     def snapshot(self) -> EngineStats:

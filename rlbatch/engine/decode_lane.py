@@ -154,6 +154,24 @@ class DecodeLane:
             self.max_order = -1
         return out
 
+    def remove(self, seq: SimSeq) -> None:
+        """Take a request out of the lane before its last token (an abort), its progress
+        written back. O(requests): its heap entries are filtered out (a stale entry would
+        end a decode run early, or finish it); the growing lists may keep it (they skip
+        requests that left)."""
+        self.sync(seq)
+        base = seq.prompt_len + seq.out_base
+        seq.in_lane = False
+        self.n -= 1
+        self.kv_base -= base
+        self.residues[(base - 1) % self.block_size] -= 1
+        self.finish_heap = [e for e in self.finish_heap if e[2] is not seq]
+        heapq.heapify(self.finish_heap)
+        self.grow_heap = [e for e in self.grow_heap if e[2] is not seq]
+        heapq.heapify(self.grow_heap)
+        if self.n == 0:
+            self.max_order = -1
+
     def clear(self, running: list[SimSeq]) -> None:
         """Write every lane request's progress back and empty the lane.
 

@@ -21,7 +21,11 @@ Semantics follow vLLM V1's scheduler (``v1/core/sched/scheduler.py``) with the F
   offloading): every prompt block computed is copied to a host pool (LRU), and a prefix
   that left the GPU cache but is still there is copied back over the host link while its
   request waits outside the running list, the copy overlapping the iterations
-  (:mod:`rlbatch.engine.host_tier`, :mod:`rlbatch.engine.sim_caches`).
+  (:mod:`rlbatch.engine.host_tier`, :mod:`rlbatch.engine.sim_caches`);
+* aborts (:meth:`SimEngine.abort`, vLLM's ``abort_request`` when a client disconnects): a
+  request leaves at an iteration boundary from wherever it is, its blocks returned as a
+  finished request's (those of one waiting for a copy from the host once the copy
+  completed), recorded as an :class:`~rlbatch.engine.stats.AbortedRequest`, never finished.
 
 Event skipping: requests in steady decode advance together in a
 :class:`~rlbatch.engine.decode_lane.DecodeLane` (an iteration costs O(1) for them plus the
@@ -45,7 +49,7 @@ from rlbatch.engine.host_tier import HostLink
 from rlbatch.engine.reserve import PEAK_KEY_SHIFT, KvCommitMode, peak_of_keys
 from rlbatch.engine.sim_scheduler import SimScheduler
 from rlbatch.engine.sim_seq import SimSeq
-from rlbatch.engine.stats import EngineStats
+from rlbatch.engine.stats import AbortedRequest, EngineStats
 from rlbatch.profiles import StepTimeModel
 from rlbatch.request import Request
 
@@ -137,6 +141,8 @@ class SimEngine(SimScheduler):
         n = len(self._running)
         if n >= self._max_num_seqs or self._budget - n <= 0:
             return True
+        if self._aborted_loads:
+            return False  # blocks return when their copies complete: the free ones grow
         return bool(self._waiting) and self._admission_blocked(hits_may_grow=True)
 
     def committed_tokens(self) -> int:
@@ -202,6 +208,8 @@ class SimEngine(SimScheduler):
         if to_s > self._now:
             self._note_idle(to_s - self._now)
             self._now = to_s
+            if self._aborted_loads:
+                self._free_aborted_loads()
 
     def add_request(self, request: Request, bucket: int, prompt_tokens: int,
                     truncated: bool) -> None:
@@ -221,6 +229,28 @@ class SimEngine(SimScheduler):
         self._committed_tokens += seq.committed
         self._kv_version += 1
 
+    def abort(self, request_id: int, *,
+              before_first_token: bool = False) -> AbortedRequest | None:
+        """Remove a request at the current iteration boundary (the Engine protocol's
+        :meth:`~rlbatch.engine.base.Engine.abort`): from the decode lane or the running list
+        (its blocks returned, cached ones kept cached and evictable), the loading list (its
+        blocks returned once its copy from the host completes) or the waiting queue. Its
+        host-tier blocks are ranked again as a finished request's; its output is not an
+        observation for the KV reserve. O(requests).
+
+        :param request_id: the workload's request id.
+        :param before_first_token: only if it has not produced its first token.
+        :returns: its record, or ``None`` (not held here; or it already has its first
+            token and ``before_first_token`` is set: it goes on).
+        """
+        found = self._locate(request_id)
+        if found is None:
+            return None
+        seq, where = found
+        if before_first_token and seq.first_token_s >= 0.0:
+            return None
+        return self._withdraw(seq, where)
+
     def fork(self) -> SimEngine:
         """An independent copy of the engine's state (a digital twin's fork): the step-time
         model and config shared, every sequence and counter copied (see
@@ -234,7 +264,7 @@ class SimEngine(SimScheduler):
         new._lane = DecodeLane(self._block_size)
         if self._cache is not None:
             new._cache = self._cache.fork()
-            for seq in (*new._running, *new._loading):
+            for seq in (*new._running, *new._loading, *new._aborted_loads):
                 if seq.layout is not None:
                     seq.extents = seq.extents[:]  # a waiting one gets a new list when admitted
         if self._host is not None:
@@ -263,6 +293,7 @@ class SimEngine(SimScheduler):
         self._peak_used_blocks = self.num_kv_blocks - self._free_blocks
         self._finished = []
         self._first_tokens = []
+        self._aborted = []
         cache = self._cache
         # the prefix cache counts from its start: the interval's are the differences
         self._prefix_counts = ((cache.queries, cache.hits, cache.evictions)
@@ -333,6 +364,7 @@ class SimEngine(SimScheduler):
             kv_offload_evictions=host_evictions,
             kv_offload_usage=host_usage,
             kv_offload_num_blocks=host.num_blocks if host is not None else 0,
+            aborted=tuple(self._aborted),
         )
         self._reset_interval()
         return stats
@@ -346,7 +378,7 @@ class SimEngine(SimScheduler):
         lane = self._lane
         in_lane = 0
         extents: dict[int, list[int]] = {}
-        for seq in (*self._running, *self._loading):
+        for seq in (*self._running, *self._loading, *self._aborted_loads):
             layout = seq.layout
             if layout is None:
                 continue
@@ -359,7 +391,8 @@ class SimEngine(SimScheduler):
                     extents.setdefault(key, []).append(extent)
         for seq in self._waiting:
             assert not seq.cached and seq.blocks == 0 and seq.num_computed == 0
-        for seq in self._loading:  # its GPU hit held, registered; the blocks copied not yet
+        for seq in (*self._loading, *self._aborted_loads):
+            # its GPU hit held, registered; the blocks copied not yet
             assert not seq.in_lane and seq.layout is not None
             assert seq.cached == seq.layout[2][-1] - seq.uncached
             assert seq.blocks * block == seq.num_computed > seq.cached * block
@@ -375,6 +408,8 @@ class SimEngine(SimScheduler):
                 assert seq.blocks == -(-seq.num_computed // block), (seq.blocks,
                                                                       seq.num_computed)
         assert in_lane == lane.n, (in_lane, lane.n)
+        # one finish entry per lane request (an abort takes its entries out)
+        assert len(lane.finish_heap) == lane.n and all(e[2].in_lane for e in lane.finish_heap)
         if self._cache is not None:
             self._cache.check(self._free_blocks, extents)
             # a group's blocks held by several requests are held once: its largest extent

@@ -15,7 +15,12 @@ what happens to a request's blocks as the scheduler admits, runs and releases it
   the host tier are offered to the host pool (write-through, as vLLM's offloading connector
   stores every computed block);
 * a request leaving the running list returns its blocks tail first, the cached ones to the
-  LRU queue; a finished one ranks its blocks in the host pool again.
+  LRU queue; a finished one ranks its blocks in the host pool again;
+* an aborted request waiting for a copy from the host keeps its blocks until the copy
+  completes (vLLM's ``finish_requests`` delays freeing a ``WAITING_FOR_REMOTE_KVS``
+  request's blocks until its transfer is reported done; the copy on the link is not
+  cancelled): they return at the first iteration that starts once it completed, or when an
+  idle engine's clock passes it.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class CacheScheduler:
     _max_num_seqs: int
     _now: float
     _last_start: float
+    _free_blocks: int
     _order: int
     _running: list[SimSeq]
     _in_running: list[int]
@@ -57,6 +63,8 @@ class CacheScheduler:
                                   host_link)
         # requests whose prefix is being copied from the host tier, in the order issued
         self._loading: list[SimSeq] = []
+        # aborted requests whose copy from the host is still in flight: their blocks held
+        self._aborted_loads: list[SimSeq] = []
 
     # ----------------------------------------------------------------- prefix caching
     def _take_cached_prefix(self, seq: SimSeq, budget: int, free: int) -> tuple[int, int]:
@@ -200,10 +208,45 @@ class CacheScheduler:
         if seq.uncached:
             self._register(seq, seq.num_computed + n, free)
 
+    def _next_copy_s(self) -> float:
+        """When the first copy from the host in flight completes (loads of aborted requests
+        included: their blocks return then)."""
+        ready = min(s.ready_s for s in self._loading) if self._loading else math.inf
+        if self._aborted_loads:
+            aborted = min(s.ready_s for s in self._aborted_loads)
+            if aborted < ready:
+                ready = aborted
+        return ready
+
+    def _drop_loading(self, seq: SimSeq) -> None:
+        """An aborted request leaves the loading list: its blocks return now if its copy
+        completed, else when it completes (:meth:`_free_aborted_loads`)."""
+        self._loading.remove(seq)
+        if seq.ready_s > self._now:
+            self._aborted_loads.append(seq)
+        else:
+            self._free_blocks = self._release(seq, self._free_blocks)
+            seq.blocks = 0
+
+    def _free_aborted_loads(self) -> None:
+        """The blocks of the aborted requests whose copy completed by now return (at an
+        iteration's start, or as an idle engine's clock moves)."""
+        now = self._now
+        free = self._free_blocks
+        kept: list[SimSeq] = []
+        for seq in self._aborted_loads:
+            if seq.ready_s <= now:
+                free = self._release(seq, free)
+                seq.blocks = 0
+            else:
+                kept.append(seq)
+        self._aborted_loads = kept
+        self._free_blocks = free
+
     def _wait_for_loads(self, bound_s: float) -> None:
         """Nothing can run: the clock goes to the first copy's completion (or ``bound_s``,
         where the caller has something to do)."""
-        ready = min(s.ready_s for s in self._loading)
+        ready = self._next_copy_s()
         to_s = ready if ready < bound_s else bound_s
         if to_s > self._now:
             self._now = to_s

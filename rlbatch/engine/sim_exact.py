@@ -34,7 +34,7 @@ from rlbatch.engine.host_tier import HostLink
 from rlbatch.engine.reserve import OutputReserve
 from rlbatch.engine.sim_caches import CacheScheduler
 from rlbatch.engine.sim_seq import SimSeq
-from rlbatch.engine.stats import FinishedRequest
+from rlbatch.engine.stats import AbortedRequest, FinishedRequest
 from rlbatch.profiles import StepTimeModel
 
 
@@ -66,6 +66,7 @@ class ExactScheduler(CacheScheduler):
     _peak_used_blocks: int
     _finished: list[FinishedRequest]
     _first_tokens: list[tuple[int, float]]
+    _aborted: list[AbortedRequest]
 
     def __init__(self, pool: str, config: EngineConfig, step_model: StepTimeModel,
                  num_kv_blocks: int, num_buckets: int, max_model_len: int, *,
@@ -145,6 +146,8 @@ class ExactScheduler(CacheScheduler):
         to run but copies from the host tier, a wait for the first one (at most to
         ``bound_s``)."""
         self._kv_version += 1
+        if self._aborted_loads:
+            self._free_aborted_loads()
         running = self._running
         waiting = self._waiting
         block = self._block_size
@@ -171,6 +174,9 @@ class ExactScheduler(CacheScheduler):
                     self._in_running[victim.bucket] -= 1
                     free = self._release(victim, free)
                     self._recomputed_tokens += victim.num_computed
+                    if victim.num_computed < victim.prefill_end:  # its prefill cut short
+                        victim.prefilled -= victim.prefill_end - victim.num_computed
+                    victim.prefill_end = 0
                     victim.blocks = 0
                     victim.num_computed = 0
                     victim.preemptions += 1
@@ -206,7 +212,7 @@ class ExactScheduler(CacheScheduler):
         if not sched:
             # Everything was preempted (the next iteration re-admits from the waiting queue),
             # or nothing is running or admissible.
-            if not preempted and self._loading:
+            if not preempted and (self._loading or self._aborted_loads):
                 self._wait_for_loads(bound_s)
             return
         now = self._advance(prefill_tokens, attn_work, num_decode, kv_decode,
@@ -247,6 +253,10 @@ class ExactScheduler(CacheScheduler):
                 if not n:
                     break
             waiting.popleft()
+            # the prefill this admission is to compute (its hit or copy excluded)
+            end = seq.prompt_len + seq.num_output
+            seq.prefilled += end - seq.num_computed
+            seq.prefill_end = end
             if cache is not None and not seq.preemptions:
                 cache.queries += seq.prompt_len  # vLLM counts first lookups apart
             if n < 0:  # its prefix is copied from the host tier first
@@ -385,6 +395,51 @@ class ExactScheduler(CacheScheduler):
             seq.request_id, seq.bucket, self.pool, seq.arrival_s, seq.prompt_len,
             seq.num_output, seq.first_token_s - seq.arrival_s, tpot, now - seq.arrival_s,
             now, seq.preemptions, seq.truncated))
+
+    # ----------------------------------------------------------------- aborts
+    def _locate(self, request_id: int) -> tuple[SimSeq, str] | None:
+        """The request ``request_id`` inside the engine and where it is (``running``,
+        ``loading`` or ``waiting``); ``None`` when the engine does not hold it. O(requests)."""
+        for where, queue in (("running", self._running), ("loading", self._loading),
+                             ("waiting", self._waiting)):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    return seq, where
+        return None
+
+    def _drop_running(self, seq: SimSeq) -> None:
+        """An aborted running request leaves the running list; its blocks return as a
+        finished request's do (cached ones stay cached, evictable)."""
+        self._running.remove(seq)
+        self._in_running[seq.bucket] -= 1
+        self._free_blocks = self._release(seq, self._free_blocks)
+        seq.blocks = 0
+
+    def _withdraw(self, seq: SimSeq, where: str) -> AbortedRequest:
+        """Take an aborted request out of the engine (``where`` from :meth:`_locate`): its
+        queue, its blocks, its counts; the record of it (also kept for the snapshot)."""
+        if where == "running":
+            self._drop_running(seq)  # a subclass takes it out of the decode lane first
+        elif where == "loading":
+            self._drop_loading(seq)
+        else:
+            self._waiting.remove(seq)
+        self._kv_version += 1
+        if self._host is not None and seq.host_low >= 0:
+            assert seq.layout is not None
+            self._host.finish(seq.layout, seq.host_low, seq.host_done)  # as vLLM's finish
+        self._unfinished[seq.bucket] -= 1
+        self._committed_tokens -= seq.committed
+        # Its output is cut short: not an observation of the output lengths (the reserve).
+        # No engine overhead either: vLLM takes an abort from its input queue between steps,
+        # not in an iteration's output processing (a finished request's per_finished_s).
+        unfinished = seq.prefill_end - seq.num_computed
+        record = AbortedRequest(
+            seq.request_id, seq.bucket, self.pool, seq.arrival_s, self._now,
+            seq.prefilled - unfinished if unfinished > 0 else seq.prefilled,
+            seq.num_output, seq.first_token_s >= 0.0)
+        self._aborted.append(record)
+        return record
 
     def _note_usage(self) -> None:
         used = self.num_kv_blocks - self._free_blocks

@@ -101,6 +101,8 @@ class SimScheduler(ExactScheduler):
             return
         if self._decode_run and (greedy or not self._prefilled) and self._skip(skip_to, greedy):
             return
+        if self._aborted_loads:  # their blocks return as an iteration starts
+            self._free_aborted_loads()
         if not self._iterate_lane(bound_s):
             self._leave_lane()
             self._iterate_exact(bound_s)
@@ -181,7 +183,7 @@ class SimScheduler(ExactScheduler):
         if prefill_tokens == 0 and not sched and not in_lane:
             self._kv_version += 1
             self._decode_run = False
-            if self._loading:
+            if self._loading or self._aborted_loads:
                 self._wait_for_loads(bound_s)
             return True  # nothing to run (as the exact path)
         now = self._advance(prefill_tokens, attn_work, num_decode, kv_decode, len(admitted))
@@ -227,9 +229,9 @@ class SimScheduler(ExactScheduler):
                 or (self._shapes is not None and n not in self._shapes) \
                 or (self._waiting and not self._admission_blocked()):
             return False
-        if self._loading:
-            # the first iteration after a copy from the host completed may admit its request
-            ready = min(s.ready_s for s in self._loading)
+        if self._loading or self._aborted_loads:
+            # the first iteration after a copy completed may admit its request (or reclaim)
+            ready = self._next_copy_s()
             if ready < bound_s:
                 bound_s = ready
         to_finish = lane.finish_heap[0][0] - lane.epoch - (not greedy)
@@ -302,6 +304,17 @@ class SimScheduler(ExactScheduler):
         if used > self._peak_used_blocks:
             self._peak_used_blocks = used
         return True
+
+    def _drop_running(self, seq: SimSeq) -> None:
+        """An aborted running request leaves the decode lane or the requests outside it,
+        then the running list. The next call runs an iteration before any decode run (the
+        run's composition changed)."""
+        if seq.in_lane:
+            self._lane.remove(seq)
+        elif seq in self._explicit:
+            self._explicit.remove(seq)
+        self._decode_run = False
+        super()._drop_running(seq)
 
     def _sync_growth(self) -> None:
         """Bring the lane's counted KV up to date (before the committed KV is read): the

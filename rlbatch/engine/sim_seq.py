@@ -31,6 +31,12 @@ class SimSeq:
     the first and the end of its blocks the host pool saw (offered or loaded; ``host_low``
     -1 before any), and ``ready_s`` when the copy of its blocks from the host completes
     while it waits in the engine's loading list.
+
+    ``prefilled`` counts the prompt tokens (and, after a preemption, the output tokens so far)
+    its admissions are to prefill, hits and host copies excluded; ``prefill_end`` is where
+    the current admission's prefill ends (0 while it waits). Both change only at an admission
+    or a preemption, never per iteration: the part of ``prefill_end`` not computed yet is
+    taken back when it is preempted or aborted (``AbortedRequest.prefill_tokens_computed``).
     """
 
     __slots__ = (
@@ -53,6 +59,8 @@ class SimSeq:
         "order",
         "out_base",
         "preemptions",
+        "prefill_end",
+        "prefilled",
         "prefix",
         "prompt_len",
         "ready_s",
@@ -74,6 +82,8 @@ class SimSeq:
         self.blocks = 0
         self.first_token_s = -1.0
         self.preemptions = 0
+        self.prefilled = 0
+        self.prefill_end = 0
         # KV the admission budget counts (rlbatch.engine.reserve), its ceiling, and the
         # output count at which the count grows next.
         self.committed = 0

@@ -72,6 +72,35 @@ class FinishedRequest:
                                self.rejected))
 
 
+@quick_init  # one per aborted request
+@dataclass(frozen=True, slots=True)
+class AbortedRequest:
+    """A request an engine removed before it finished (the client gave up: vLLM aborts a
+    request whose connection closed), with what it had cost. It never has a
+    :class:`FinishedRequest`.
+
+    :param request_id: id from the workload.
+    :param bucket: prompt-length bucket index.
+    :param pool: pool of the engine that held it.
+    :param arrival_s: arrival time.
+    :param abort_s: the engine clock when it was removed (an iteration boundary).
+    :param prefill_tokens_computed: prompt tokens the engine computed for it, the tokens
+        recomputed after each preemption included (prompt and output so far), prefix-cache
+        hits and copies from the host KV tier excluded.
+    :param output_tokens: tokens it had generated.
+    :param first_token: it had produced its first token.
+    """
+
+    request_id: int
+    bucket: int
+    pool: str
+    arrival_s: float
+    abort_s: float
+    prefill_tokens_computed: int
+    output_tokens: int
+    first_token: bool
+
+
 @quick_init  # one per engine and control tick
 @dataclass(frozen=True, slots=True)
 class EngineStats:
@@ -127,6 +156,9 @@ class EngineStats:
         (vLLM's ``vllm:kv_offload_cpu_cache_usage_perc`` counts only blocks pinned by copies
         in flight; this is the occupancy). The guard's memory rule reads ``kv_cache_usage``.
     :param kv_offload_num_blocks: KV blocks the host tier holds (0: no host tier).
+    :param aborted: requests removed from the engine in the interval before finishing
+        (:meth:`~rlbatch.engine.base.Engine.abort`); empty from an engine that does not
+        report them.
     """
 
     engine_id: int
@@ -165,6 +197,7 @@ class EngineStats:
     kv_offload_evictions: int = 0
     kv_offload_usage: float = 0.0
     kv_offload_num_blocks: int = 0
+    aborted: tuple[AbortedRequest, ...] = ()
 
     @property
     def running_total(self) -> int:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -36,9 +36,19 @@ from rlbatch.engine.stats import FinishedRequest
 from rlbatch.frozen import quick_init
 from rlbatch.request import Request
 from rlbatch.serving.arrival_queue import add_by_arrival, first_on_time, turns_late_at
+from rlbatch.serving.overload import DrainRate, predicted_wait_s
 
 OverLengthPolicy = Literal["reject", "truncate"]
-RejectReason = Literal["too_long", "queue_full", "unavailable"]
+RejectReason = Literal["too_long", "queue_full", "unavailable", "queue_ttl", "predicted_ttft",
+                       "queued_tokens"]
+REJECT_REASONS: tuple[RejectReason, ...] = ("too_long", "queue_full", "unavailable", "queue_ttl",
+                                           "predicted_ttft", "queued_tokens")
+HTTP_STATUS: dict[RejectReason, int] = {
+    "too_long": 400, "queue_full": 429, "predicted_ttft": 429, "queued_tokens": 429,
+    "queue_ttl": 503, "unavailable": 503}
+"""The HTTP status each refusal is answered with: 400 for a request that can never be served,
+429 for overload at arrival (llm-d's and Mooncake's convention), 503 for a request that waited
+out the queue TTL or found no engine."""
 
 
 @dataclass(frozen=True)
@@ -51,10 +61,25 @@ class AdmissionConfig:
     :param max_queue_len: per-bucket queue bound; a request arriving at a full queue is
         rejected (counted). For a bucket without a cap the bound counts that bucket's
         requests waiting inside its pool's engines. ``None`` = unbounded.
+    :param queue_ttl_s: a request that has waited this long in an admission queue without
+        starting is expired (answered 503, as llm-d's flow control does); ``None`` = never.
+    :param reject_ttft_slack: refuse an arrival (429 with a ``Retry-After``) when its
+        predicted TTFT, in the order it will be served, exceeds the SLA's TTFT times this
+        (:mod:`rlbatch.serving.overload`); ``None`` = never.
+    :param max_num_queued_tokens: vLLM's ``--max-num-queued-tokens``: refuse an arrival
+        while the prompt tokens of the requests still waiting to start reach this bound
+        (429 here; vLLM answers 503); ``None`` = no bound.
+    :param drain_window_s: the window over which the deployment's completion rate, the
+        drain rate the TTFT prediction divides by, is measured.
     """
 
     over_length: OverLengthPolicy = "reject"
     max_queue_len: int | None = None
+    queue_ttl_s: float | None = None
+    reject_ttft_slack: float | None = None
+    max_num_queued_tokens: int | None = None
+    drain_window_s: float = 30.0
+    max_retry_after_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.over_length not in ("reject", "truncate"):
@@ -62,6 +87,23 @@ class AdmissionConfig:
                              f"{self.over_length!r}")
         if self.max_queue_len is not None and self.max_queue_len < 1:
             raise ValueError(f"max_queue_len must be >= 1 or None, got {self.max_queue_len}")
+        for name in ("queue_ttl_s", "reject_ttft_slack", "max_retry_after_s"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be > 0 and finite, or None, got {value}")
+        if self.max_num_queued_tokens is not None and self.max_num_queued_tokens < 1:
+            raise ValueError(f"max_num_queued_tokens must be >= 1 or None, got "
+                             f"{self.max_num_queued_tokens}")
+        if not (self.drain_window_s > 0 and math.isfinite(self.drain_window_s)):
+            raise ValueError(f"drain_window_s must be > 0 and finite, got "
+                             f"{self.drain_window_s}")
+
+    @property
+    def sheds(self) -> bool:
+        """Some overload rule is on (a TTL, the predicted-TTFT rejection or the queued-tokens
+        bound)."""
+        return (self.queue_ttl_s is not None or self.reject_ttft_slack is not None
+                or self.max_num_queued_tokens is not None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,11 +134,22 @@ class Rejected:
 
     :param bucket: its bucket.
     :param reason: ``too_long`` (over ``max_model_len`` under the ``reject`` policy),
-        ``queue_full`` (the bucket's queue bound), ``unavailable`` (refused by the caller).
+        ``queue_full`` (the bucket's queue bound), ``unavailable`` (refused by the caller),
+        ``queue_ttl`` (waited out :attr:`AdmissionConfig.queue_ttl_s`), ``predicted_ttft``
+        (:attr:`AdmissionConfig.reject_ttft_slack`), ``queued_tokens``
+        (:attr:`AdmissionConfig.max_num_queued_tokens`).
+    :param retry_after_s: when the client may come back (the predicted drain time of the
+        requests ahead of it); ``None``: no advice.
     """
 
     bucket: int
     reason: RejectReason
+    retry_after_s: float | None = None
+
+    @property
+    def status(self) -> int:
+        """The HTTP status the refusal is answered with (:data:`HTTP_STATUS`)."""
+        return HTTP_STATUS[self.reason]
 
 
 Outcome = Queued | Admitted | Rejected
@@ -169,6 +222,19 @@ class Admission:
         """``(request_id, arrival_s, bucket)`` of every request queued or handed to an
         engine since the previous :meth:`take_accepted`, while a list (the control loop's
         TTFT-deadline accounting sets one); ``None``: not recorded."""
+        self.departed: list[int] = []
+        """Accepted requests that left without finishing, since :meth:`take_departed`."""
+        self.sla_ttft_s = math.inf
+        """The SLA's TTFT (:meth:`configure`), which the predicted-TTFT rejection reads."""
+        self.drain = DrainRate(config.drain_window_s)
+        """Completions per second (:meth:`note_finished`): what the TTFT prediction divides
+        by."""
+        self.queued_prompt_tokens = 0
+        """Prompt tokens of the requests in admission's queues (the queued-tokens bound)."""
+        self.refusals: dict[RejectReason, list[int]] = {r: [0] * n for r in REJECT_REASONS}
+        """Refusals since the start, by reason, per bucket."""
+        self._sheds_at_arrival = (config.reject_ttft_slack is not None
+                                  or config.max_num_queued_tokens is not None)
 
     def configure(self, discipline: AdmissionDiscipline, sla_ttft_s: float) -> None:
         """Put a discipline in force: the order of the queues and the KV budget, for the run.
@@ -178,6 +244,7 @@ class Admission:
             deadline order (an SLA without a TTFT limit has no late request: FIFO).
         """
         self.discipline = discipline
+        self.sla_ttft_s = sla_ttft_s
         budget = discipline.kv_budget
         self.kv_budget_fraction = None if budget is None else budget.fraction
         self.kv_commit = "final" if budget is None else budget.commit
@@ -219,6 +286,8 @@ class Admission:
         for eng in engines:
             new.pools.setdefault(eng.pool, []).append(eng)
         new.queues = [deque(q) for q in self.queues]
+        new.drain = self.drain.copy()
+        new.refusals = {r: list(c) for r, c in self.refusals.items()}
         return new
 
     def submit(self, request: Request) -> Outcome:
@@ -239,6 +308,10 @@ class Admission:
             if self.config.over_length == "reject" or room < 1:
                 return self._reject(request, bucket, "too_long")
             prompt, truncated = room, True
+        if self._sheds_at_arrival:
+            refused = self._refuse_overload(request, bucket)
+            if refused is not None:
+                return refused
         bound = self.config.max_queue_len
         if self.caps[bucket] is None and self.late_after_s is None:
             pool = self.routes[bucket]
@@ -258,6 +331,7 @@ class Admission:
         if bound is not None and len(queue) >= bound:
             return self._reject(request, bucket, "queue_full")
         add_by_arrival(queue, (request, prompt, truncated))
+        self.queued_prompt_tokens += prompt
         if self.accepted is not None:
             self.accepted.append((request.request_id, request.arrival_s, bucket))
         return Queued(bucket)
@@ -284,6 +358,7 @@ class Admission:
             for item in queue:
                 if item[0].request_id == request_id:
                     queue.remove(item)
+                    self.queued_prompt_tokens -= item[1]
                     self.cancelled_in_tick[bucket] += 1
                     return True
         return False
@@ -368,8 +443,117 @@ class Admission:
                 del queue[best_index]
             else:
                 queue.popleft()
+            self.queued_prompt_tokens -= prompt
             engine.add_request(request, best, prompt, truncated)
             admitted += 1
+
+    def note_finished(self, finish_times_s: Iterable[float]) -> None:
+        """Count completions for the drain rate (:mod:`rlbatch.serving.overload`).
+
+        :param finish_times_s: when each request finished.
+        """
+        self.drain.note(finish_times_s)
+
+    def waiting_ahead(self, now_s: float) -> int:
+        """Requests still waiting to start that an arrival at ``now_s`` would be served
+        after: all of them under FIFO; under deadline order those still on time (the late
+        ones go after it). Those in the engines' waiting queues count under both.
+
+        :param now_s: the arrival's time.
+        """
+        late_after_s = self.late_after_s
+        ahead = 0
+        for queue in self.queues:
+            if queue:
+                ahead += len(queue) if late_after_s is None else (
+                    len(queue) - first_on_time(queue, now_s - late_after_s))
+        buckets = range(len(self.queues))
+        for engine in self.engines:
+            ahead += sum(engine.num_waiting(b) for b in buckets)
+        return ahead
+
+    def predicted_ttft_s(self, now_s: float) -> float | None:
+        """An arrival's predicted wait to start at ``now_s``: :meth:`waiting_ahead` over the
+        drain rate; ``None`` while the rate is unknown (:data:`~rlbatch.serving.overload.
+        MIN_COMPLETIONS`).
+
+        :param now_s: the arrival's time.
+        """
+        rate = self.drain.rate(now_s)
+        if rate is None:
+            return None
+        return predicted_wait_s(self.waiting_ahead(now_s), rate)
+
+    def next_expiry_s(self) -> float:
+        """When the oldest queued request waits out the queue TTL; ``inf`` without a TTL or
+        a queued request."""
+        ttl = self.config.queue_ttl_s
+        if ttl is None or not any(self.queues):
+            return math.inf
+        return min(q[0][0].arrival_s for q in self.queues if q) + ttl
+
+    def forget(self, request_id: int) -> None:
+        """A request that was accepted left without finishing (expired, cancelled or aborted):
+        the TTFT-deadline accounting stops waiting for it (:meth:`take_departed`).
+
+        :param request_id: its id.
+        """
+        if self.accepted is not None:
+            self.departed.append(request_id)
+
+    def take_departed(self) -> list[int]:
+        """The ids :meth:`forget` was told since the previous call (then forgotten)."""
+        out = self.departed
+        self.departed = []
+        return out
+
+    def expire(self, now_s: float) -> list[tuple[Request, Rejected]]:
+        """Refuse (``queue_ttl``, 503) every queued request that has waited
+        :attr:`AdmissionConfig.queue_ttl_s` or longer at ``now_s``.
+
+        :param now_s: the time.
+        :returns: the expired requests and their refusals (bucket, ``Retry-After``), oldest
+            first per bucket.
+        """
+        ttl = self.config.queue_ttl_s
+        if ttl is None or not any(self.queues):
+            return []
+        cutoff = now_s - ttl
+        expired: list[tuple[Request, int]] = []
+        for bucket, queue in enumerate(self.queues):
+            while queue and queue[0][0].arrival_s <= cutoff:
+                request, prompt, _ = queue.popleft()
+                self.queued_prompt_tokens -= prompt
+                expired.append((request, bucket))
+        if not expired:
+            return []
+        wait = self._advice(self.predicted_ttft_s(now_s))
+        return [(request, self._reject(request, bucket, "queue_ttl",
+                                       wait, finish_s=now_s))
+                for request, bucket in expired]
+
+    def _refuse_overload(self, request: Request, bucket: int) -> Rejected | None:
+        """The queued-tokens bound, then the predicted-TTFT rejection, for an arrival."""
+        config = self.config
+        now = request.arrival_s
+        bound = config.max_num_queued_tokens
+        if bound is not None and self.queued_prompt_tokens >= bound:
+            return self._reject(request, bucket, "queued_tokens",
+                                self._advice(self.predicted_ttft_s(now)))
+        slack = config.reject_ttft_slack
+        if slack is not None and math.isfinite(self.sla_ttft_s):
+            wait = self.predicted_ttft_s(now)
+            if wait is not None and wait > slack * self.sla_ttft_s:
+                return self._reject(request, bucket, "predicted_ttft", self._advice(wait))
+        return None
+
+    def _advice(self, wait_s: float | None) -> float | None:
+        """A refusal's ``Retry-After``: the predicted wait, at most
+        :attr:`AdmissionConfig.max_retry_after_s`."""
+        cap = self.config.max_retry_after_s
+        if wait_s is None or cap is None:
+            return wait_s
+        return min(wait_s, cap)
 
     def leaves_running(self, request: Request, engine: Engine, engine_holds: bool) -> bool:
         """Whether ``request``, submitted at any iteration boundary from now on while the
@@ -484,14 +668,18 @@ class Admission:
         self.budget_blocked_in_tick = False
         return out
 
-    def _reject(self, request: Request, bucket: int, reason: RejectReason) -> Rejected:
+    def _reject(self, request: Request, bucket: int, reason: RejectReason,
+                retry_after_s: float | None = None, finish_s: float | None = None
+                ) -> Rejected:
         self.rejected_in_tick[bucket] += 1
+        self.refusals[reason][bucket] += 1
         nan = float("nan")
         self.rejected.append(FinishedRequest(
             request_id=request.request_id, bucket=bucket, pool="",
             arrival_s=request.arrival_s, prompt_tokens=request.prompt_tokens, output_tokens=0,
-            ttft_s=nan, tpot_s=nan, e2e_s=nan, finish_s=request.arrival_s, rejected=True))
-        return Rejected(bucket, reason)
+            ttft_s=nan, tpot_s=nan, e2e_s=nan,
+            finish_s=request.arrival_s if finish_s is None else finish_s, rejected=True))
+        return Rejected(bucket, reason, retry_after_s)
 
 
 def _load(engine: Engine) -> tuple[int, int]:

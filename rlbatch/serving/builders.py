@@ -28,6 +28,7 @@ from rlbatch.engine.sim import SimEngine
 from rlbatch.engine.vllm.config import TINY_KV_CACHE_BYTES, TINY_MODEL, VllmEngineConfig
 from rlbatch.profiles import RooflineStepTimeModel, StepTimeModel, load_gpu, load_model
 from rlbatch.profiles.calibrated import CalibratedProfile, load_profile
+from rlbatch.serving.clients import ClientMix
 from rlbatch.serving.deployment import Deployment, DeploymentSpec, assemble_deployment
 
 if TYPE_CHECKING:
@@ -54,10 +55,15 @@ def build_deployment(spec: DeploymentSpec, live: VllmEngineConfig | None = None)
         ``spec.engine == "vllm"`` only.
     """
     if spec.engine == "vllm":
-        return build_live_deployment(spec, live_config_from_spec(spec, live))
-    if spec.profile is not None:
-        return build_profile_deployment(spec)
-    return build_sim_deployment(spec)
+        deployment = build_live_deployment(spec, live_config_from_spec(spec, live))
+    elif spec.profile is not None:
+        deployment = build_profile_deployment(spec)
+    else:
+        deployment = build_sim_deployment(spec)
+    mix = ClientMix.parse(spec.clients)
+    if not mix.patient:
+        deployment.client_mix = (mix, spec.clients_seed)
+    return deployment
 
 
 def _precision(pool: str) -> Precision:

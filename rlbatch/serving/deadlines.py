@@ -108,6 +108,20 @@ class DeadlineTracker:
                 heapq.heappush(self._late, (arrival, rid))
         return tuple(doomed)
 
+    def forget(self, request_ids: Iterable[int]) -> None:
+        """Requests that left without finishing (expired, cancelled, aborted): no longer
+        open; their sweep entries are dropped lazily.
+
+        :param request_ids: their ids.
+        """
+        for rid in request_ids:
+            entry = self._open.pop(rid, None)
+            if entry is None:
+                continue
+            self.open_count[entry[0]] -= 1
+            if entry[2] == _DOOMED:
+                self.doomed_open[entry[0]] -= 1
+
     def oldest_unserved_s(self, now_s: float) -> float:
         """How long the oldest accepted request still without a first token has waited,
         wherever it waits (admission queue, an engine's waiting queue, or mid-prefill), as of

@@ -19,7 +19,8 @@ from rlbatch.engine.stats import EngineStats
 from rlbatch.profiles.capacity import reference_capacity_rps
 from rlbatch.profiles.step_time import StepTimeModel
 from rlbatch.request import Request
-from rlbatch.serving.admission import Admission, AdmissionConfig
+from rlbatch.serving.admission import Admission, AdmissionConfig, Rejected
+from rlbatch.serving.clients import ClientMix, ClientSession
 
 _HOLD_SCAN = 16
 """Arrivals looked at ahead for one engine step (each look costs about a microsecond)."""
@@ -59,6 +60,10 @@ class DeploymentSpec:
         ``--kv-offloading-size``; ``EngineConfig.kv_offload_gib``); 0 (the default) turns it
         off. Needs prefix caching and a GPU profile with a host link bandwidth; the
         calibrated-profile simulator and live engines refuse it.
+    :param clients: the clients behind the arrivals (:mod:`rlbatch.serving.clients`):
+        ``patient`` (wait forever, never retry), ``sdk``, ``interactive``, or a mix such as
+        ``interactive:0.3,sdk:0.7``.
+    :param clients_seed: seed of the clients' profile draws and retry jitter.
     """
 
     gpu: str = "a100-80g"
@@ -82,8 +87,11 @@ class DeploymentSpec:
     kv_reserve_quantile: float = 0.9
     enable_prefix_caching: bool = True
     kv_offload_gib: float = 0.0
+    clients: str = "patient"
+    clients_seed: int = 0
 
     def __post_init__(self) -> None:
+        ClientMix.parse(self.clients)  # refuses an unknown profile or a bad share
         if not self.pools:
             raise ValueError("a deployment needs at least one pool")
         for pool in self.pools:
@@ -118,6 +126,10 @@ class Deployment:
         self.info = info
         self._requests: list[Request] = []
         self._next = 0
+        self.clients: ClientSession | None = None
+        """The clients behind the arrivals (:meth:`set_clients`); ``None``: patient ones."""
+        self.client_mix: tuple[ClientMix, int] | None = None
+        """The clients' mix and seed: :meth:`load` starts a session of them."""
         self._bind_engines()
 
     def _bind_engines(self) -> None:
@@ -137,9 +149,12 @@ class Deployment:
         self._skip_cut: dict[int, Callable[[float, float], None]] = {
             id(e): cast("Callable[[float, float], None]", e.step) for e in self.engines
             if single is None and getattr(e, "event_skipping", False)}
+        # Running past arrivals is exact only when an arrival's fate does not depend on when
+        # it is submitted; refusals on overload and clients that give up depend on it.
         skips = getattr(single, "event_skipping", False)
-        self._holds = getattr(single, "holds_new_arrivals", None) if skips else None
-        self._run_on = getattr(single, "advance", None) if skips else None
+        runs_past = skips and not (self.clients is not None or self.admission.config.sheds)
+        self._holds = getattr(single, "holds_new_arrivals", None) if runs_past else None
+        self._run_on = getattr(single, "advance", None) if runs_past else None
         # The budget's peak count (kv_commit="peak") can fall after an iteration that is not
         # pure decode (a request starts decoding, is preempted or is not scheduled), which
         # advance() may run past: while that budget holds a request back, the engine takes
@@ -153,6 +168,18 @@ class Deployment:
             raise ValueError("requests must be sorted by arrival_s")
         self._requests = list(requests)
         self._next = 0
+        if self.client_mix is not None:
+            mix, seed = self.client_mix
+            first_retry_id = max((r.request_id for r in requests), default=-1) + 1
+            self.set_clients(ClientSession(mix, seed, first_retry_id))
+
+    def set_clients(self, session: ClientSession | None) -> None:
+        """Put clients that give up and retry behind the arrivals (before the run starts).
+
+        :param session: the run's clients; ``None``: patient ones.
+        """
+        self.clients = session
+        self._bind_engines()
 
     def apply(self, action: ControlAction) -> None:
         self.admission.apply(action)
@@ -171,7 +198,11 @@ class Deployment:
             if fork is None:
                 raise TypeError(f"{type(eng).__name__} cannot fork; only simulated engines do")
             engines.append(fork())
-        new = fork_state(self, share=("_requests", "engines", "admission"))
+        # a twin plans without the clients: it serves the requests it holds as if their
+        # clients waited (a planner's approximation)
+        new = fork_state(self, share=("_requests", "engines", "admission", "clients"))
+        new.clients = None
+        new.client_mix = None
         new.engines = engines
         new.admission = self.admission.fork(engines)
         new._bind_engines()
@@ -208,19 +239,26 @@ class Deployment:
         idx = self._next
         skip_cut = self._skip_cut
         step_while_peak_held = self._step_while_peak_held
+        clients = self.clients
+        events = clients is not None or admission.config.queue_ttl_s is not None
+        submit = admission.submit if clients is None else self._submit_attempt
         while True:
             eng = single if single is not None else min(
                 engines, key=lambda e: (e.now_s, e.engine_id))
             now = eng.now_s
             if now >= t_stop:
                 break
+            if events:
+                self._client_events(now)
             while idx < n_req and requests[idx].arrival_s <= now:
-                admission.submit(requests[idx])
+                submit(requests[idx])
                 idx += 1
             admission.admit(eng)
             bound = requests[idx].arrival_s if idx < n_req else math.inf
             if t_stop < bound:
                 bound = t_stop
+            if events:
+                bound = min(bound, self._next_event_s(now))
             # deadline order: the request the KV budget holds back turns late there, and
             # another may go first without a finish
             turn = admission.order_change_s
@@ -249,9 +287,52 @@ class Deployment:
             # belong to this tick, as when stepping.
             last = getattr(single, "last_start_s", -math.inf)
             while idx < n_req and requests[idx].arrival_s <= last:
-                admission.submit(requests[idx])
+                submit(requests[idx])
                 idx += 1
         self._next = idx
+
+    def _submit_attempt(self, request: Request) -> None:
+        """Submit an attempt whose client may give up or retry (:attr:`clients`)."""
+        clients = self.clients
+        assert clients is not None
+        clients.arrive(request)
+        outcome = self.admission.submit(request)
+        if isinstance(outcome, Rejected):
+            clients.refused(request, outcome, request.arrival_s)
+
+    def _client_events(self, now: float) -> None:
+        """At an iteration boundary: expire queued requests past the queue TTL, cancel the
+        requests whose clients gave up, and submit the retries that are due."""
+        admission = self.admission
+        clients = self.clients
+        for request, refusal in admission.expire(now):
+            admission.forget(request.request_id)
+            if clients is not None:
+                clients.refused(request, refusal, now)
+        if clients is None:
+            return
+        for rid, before_first_token in clients.due_timers(now):
+            aborted = None
+            if admission.cancel(rid):
+                admission.forget(rid)
+            else:
+                for engine in self.engines:
+                    aborted = engine.abort(rid, before_first_token=before_first_token)
+                    if aborted is not None:
+                        admission.forget(rid)
+                        break
+                else:
+                    continue  # finished, or it has its first token: the client stays
+            clients.gave_up(rid, not before_first_token, now, aborted)
+        for retry in clients.due_retries(now):
+            self._submit_attempt(retry)
+
+    def _next_event_s(self, now: float) -> float:
+        """The next client event or queue expiry after ``now`` (the engines stop there)."""
+        t = self.admission.next_expiry_s()
+        if self.clients is not None:
+            t = min(t, self.clients.next_event_s())
+        return t if t > now else math.nextafter(now, math.inf)
 
     def _hold_bound(self, idx: int, t_stop: float, engine_holds: bool) -> float:
         """The next arrival that can change the engine's running requests (within the next
@@ -271,9 +352,10 @@ class Deployment:
             requests[idx].arrival_s < t_stop else t_stop
 
     def done(self) -> bool:
-        """All arrivals submitted, nothing queued, every engine idle."""
+        """All arrivals submitted (retries included), nothing queued, every engine idle."""
         return (self._next >= len(self._requests) and self.admission.num_queued() == 0
-                and all(e.is_idle() for e in self.engines))
+                and all(e.is_idle() for e in self.engines)
+                and (self.clients is None or not self.clients.retries_pending))
 
     def unfinished(self) -> int:
         """Requests submitted but not finished or rejected (queued or inside an engine)."""

@@ -18,10 +18,12 @@ from operator import attrgetter
 from typing import Any, Protocol, runtime_checkable
 
 from rlbatch.control.discipline import PLAIN, AdmissionDiscipline
-from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats
+from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats, meets_sla
 from rlbatch.engine.stats import EngineStats, FinishedRequest
 from rlbatch.request import Request
+from rlbatch.serving.accounting import abandoned_by_bucket, overload_fields
 from rlbatch.serving.admission import Admission
+from rlbatch.serving.clients import ClientSession
 from rlbatch.serving.deadlines import DeadlineTracker
 from rlbatch.serving.metrics import RunTotals, SlidingWindow, summarize
 
@@ -157,13 +159,14 @@ class ControlLoop:
         source.run_until(t)
         engine_stats = source.snapshot()
         keep = self.keep_records
+        admission = source.admission
         for es in engine_stats:
             self.totals.add(es)
             if es.finished:
                 if keep:
                     self.records.extend(es.finished)
                 self.window.add(es.finished)
-        admission = source.admission
+                admission.note_finished([r.finish_s for r in es.finished])
         rejected_records = admission.take_rejected()
         if keep and rejected_records:
             self.records.extend(rejected_records)
@@ -176,6 +179,9 @@ class ControlLoop:
         oldest_unserved_s = 0.0
         if self.deadlines is not None:
             self.deadlines.accept(admission.take_accepted())
+            departed = admission.take_departed()
+            if departed:
+                self.deadlines.forget(departed)
             doomed = self.deadlines.update(t, engine_stats)
             doomed_pending = tuple(self.deadlines.doomed_open)
             oldest_unserved_s = self.deadlines.oldest_unserved_s(t)
@@ -215,7 +221,8 @@ class ControlLoop:
     def _unsubmitted(self) -> list[int]:
         out = [0] * len(self.info.buckets)
         stream = self._stream
-        i = self.arrived_total
+        # the stream's next arrival (arrivals counted by admission include retries)
+        i = getattr(self.source, "submitted", self.arrived_total)
         while i < len(stream) and stream[i].arrival_s <= self.time_s:
             out[self.info.buckets.index(stream[i].prompt_tokens)] += 1
             i += 1
@@ -226,6 +233,21 @@ class ControlLoop:
         """Every request finished or rejected, or the drain deadline passed."""
         return self.source.done() or self.time_s >= self.deadline_s
 
+    def user_outcomes(self) -> list[tuple[float, bool]]:
+        """Every request of the replayed stream as its user saw it: ``(arrival_s, met)``,
+        ``met`` when it was served within the SLA (from its first attempt's arrival);
+        refused, abandoned and unfinished requests did not meet it.
+
+        :raises ValueError: the loop does not keep records.
+        """
+        if not self.keep_records:
+            raise ValueError("user_outcomes() needs keep_records=True")
+        session: ClientSession | None = getattr(self.source, "clients", None)
+        users = self.records if session is None else session.users_records(self.records)
+        sla = self.info.sla
+        met = {r.request_id for r in users if meets_sla(r, sla)}
+        return [(r.arrival_s, r.request_id in met) for r in self._stream]
+
     def summary(self) -> dict[str, Any]:
         """Metric fields of the run so far (see :func:`rlbatch.serving.metrics.summarize`).
 
@@ -235,8 +257,17 @@ class ControlLoop:
             raise ValueError("summary() needs keep_records=True")
         makespan = max(map(attrgetter("finish_s"), self.records), default=0.0)
         makespan = max(makespan, self.last_arrival_s)
-        row = summarize(self.records, self.info.buckets, self.info.sla,
+        session: ClientSession | None = getattr(self.source, "clients", None)
+        buckets = self.info.buckets
+        users = self.records if session is None else session.users_records(self.records)
+        row = summarize(users, buckets, self.info.sla,
                         makespan if makespan > 0 else math.nan, self.totals,
-                        submitted=self.submitted, unfinished=self.source.unfinished())
+                        submitted=self.submitted, unfinished=self.source.unfinished(),
+                        abandoned=abandoned_by_bucket(session, buckets))
         row["sim_seconds"] = makespan
+        overload = overload_fields(users, buckets, self.totals, session=session,
+                                   refusals=self.source.admission.refusals)
+        for name, fields_b in overload.pop("per_bucket_overload").items():
+            row["per_bucket"][name].update(fields_b)
+        row.update(overload)
         return row

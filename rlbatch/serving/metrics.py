@@ -314,11 +314,11 @@ def _p(values: np.ndarray, q: float) -> float:
 
 
 def _per_bucket(buckets: Buckets, bucket_idx: np.ndarray, refused: Sequence[FinishedRequest],
-                met: np.ndarray, ttft: np.ndarray, tpot: np.ndarray, span: float
-                ) -> dict[str, dict[str, Any]]:
+                met: np.ndarray, ttft: np.ndarray, tpot: np.ndarray, span: float,
+                abandoned: Sequence[int]) -> dict[str, dict[str, Any]]:
     """The row's ``per_bucket`` field: each bucket's completions, refusals, goodput,
-    attainment and P99s (``bucket_idx``, ``met``, ``ttft``, ``tpot``: one entry per completed
-    request)."""
+    attainment (abandoned requests count against it) and P99s (``bucket_idx``, ``met``,
+    ``ttft``, ``tpot``: one entry per completed request)."""
     rejected_b = [0] * len(buckets)
     for r in refused:
         rejected_b[r.bucket] += 1
@@ -327,7 +327,7 @@ def _per_bucket(buckets: Buckets, bucket_idx: np.ndarray, refused: Sequence[Fini
         mask = bucket_idx == b
         n_done = int(mask.sum())
         n_met = int(met[mask].sum()) if n_done else 0
-        n_rej = rejected_b[b]
+        n_rej = rejected_b[b] + abandoned[b]
         per_bucket[name] = {
             "completed": n_done,
             "rejected": n_rej,
@@ -348,6 +348,7 @@ def summarize(
     *,
     submitted: int,
     unfinished: int,
+    abandoned: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """The evaluation row's metric fields (DESIGN.md command contract) for one run.
 
@@ -360,6 +361,8 @@ def summarize(
     :param submitted: requests in the workload.
     :param unfinished: requests still queued or running when the run stopped (they count
         against SLA attainment).
+    :param abandoned: per bucket, requests whose client gave up (they count against SLA
+        attainment); ``None``: none.
     """
     done = [r for r in records if not r.rejected]
     refused = [r for r in records if r.rejected]
@@ -373,9 +376,10 @@ def summarize(
     out_tokens = sum(map(attrgetter("output_tokens"), done))
     served_tokens = sum(map(attrgetter("prompt_tokens"), done)) + out_tokens
     fp8_tokens = sum(r.prompt_tokens + r.output_tokens for r in done if r.pool == "fp8")
-    decided = len(done) + rejected + unfinished
+    gave_up = [0] * len(buckets) if abandoned is None else list(abandoned)
+    decided = len(done) + rejected + unfinished + sum(gave_up)
     bucket_idx = np.fromiter(map(attrgetter("bucket"), done), np.int64, n)
-    per_bucket = _per_bucket(buckets, bucket_idx, refused, met, ttft, tpot, span)
+    per_bucket = _per_bucket(buckets, bucket_idx, refused, met, ttft, tpot, span, gave_up)
     return {
         "submitted": submitted,
         "completed": len(done),

@@ -51,11 +51,15 @@ class RunResult:
     """Outcome of one run.
 
     :param row: the evaluation row (DESIGN.md command contract fields and more).
-    :param records: every request that left the system.
+    :param records: every request that left the system (each attempt, with clients that
+        retry).
+    :param outcomes: each request of the workload as its user saw it (``(arrival_s, met)``,
+        :meth:`~rlbatch.serving.loop.ControlLoop.user_outcomes`), when asked for.
     """
 
     row: dict[str, Any]
     records: list[FinishedRequest]
+    outcomes: list[tuple[float, bool]] | None = None
 
 
 def run(
@@ -67,6 +71,7 @@ def run(
     drain_s: float = 600.0,
     on_tick: TickCallback | None = None,
     rate_scale: float = 1.0,
+    outcomes: bool = False,
 ) -> RunResult:
     """Drive ``controller`` over ``workload`` on a fresh deployment built from ``spec``.
 
@@ -86,6 +91,7 @@ def run(
     :param drain_s: how long after the last arrival the run may go on.
     :param on_tick: called with every tick's stats (progress bars, logging).
     :param rate_scale: recorded in the row (the workload is already scaled).
+    :param outcomes: also return each user request's outcome (:attr:`RunResult.outcomes`).
     """
     wall_start = time.perf_counter()
     deployment = build_deployment(spec)
@@ -125,7 +131,8 @@ def run(
     row.update(controller.row_extras())
     row["wall_seconds"] = time.perf_counter() - wall_start
     row["speedup_x"] = row["sim_seconds"] / row["wall_seconds"] if row["wall_seconds"] > 0 else 0.0
-    return RunResult(row=row, records=loop.records)
+    return RunResult(row=row, records=loop.records,
+                     outcomes=loop.user_outcomes() if outcomes else None)
 
 
 def tick_fields(actions: Counter[tuple[int | None, tuple[int | None, ...]]],

@@ -12,22 +12,40 @@ counted), so the tick's counters come from it alone.
 The handlers report how each request went on its upstream: ``eject_after_failures`` failures
 in a row eject it (:meth:`Dispatcher.upstream_failed`), and the requests waiting for it that
 were not sent yet move to another replica of the pool.
+
+Overload (admission's rules, :mod:`rlbatch.serving.overload`): an arrival may be refused at
+once (``predicted_ttft``, ``queued_tokens``: 429), and a request that waits out the queue TTL
+is expired (``queue_ttl``: 503). :meth:`Dispatcher.expire` runs at the next expiry
+(:meth:`~rlbatch.serving.admission.Admission.next_expiry_s`, one timer for all) and at every
+control tick: admission expires its queued requests, and each expired ticket's handler is
+woken with the refusal (:attr:`~rlbatch.sidecar.upstream.Ticket.refusal`). A request held at
+an upstream by an engine-wide cap is, for admission, inside that engine (vLLM's waiting queue,
+where the simulator expires nothing); here it has not been sent anywhere yet, so it expires
+after the same TTL since its arrival (never one that was sent once and is being retried on
+another replica), answered and counted the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
 
 from rlbatch.control.types import ANY_POOL
 from rlbatch.engine.stats import FinishedRequest
 from rlbatch.request import Request
 from rlbatch.serving.admission import Admission, Queued, Rejected, RejectReason
-from rlbatch.sidecar.upstream import DONE, QUEUED, HttpUpstream, Ticket
+from rlbatch.sidecar.upstream import DONE, QUEUED, RUNNING, HttpUpstream, Ticket
 
-REFUSALS: dict[str, str] = {"too_long": "rejected_too_long", "queue_full": "rejected_queue_full",
-                            "unavailable": "unavailable"}
+REFUSALS: dict[RejectReason, str] = {
+    "too_long": "rejected_too_long", "queue_full": "rejected_queue_full",
+    "unavailable": "unavailable", "predicted_ttft": "rejected_predicted_ttft",
+    "queued_tokens": "rejected_queued_tokens", "queue_ttl": "expired_queue_ttl"}
 """Admission's refusal reasons as the outcomes ``rlbatch_requests_total`` counts."""
+
+TIMER_SLACK_S = 1e-3
+"""The expiry timer fires this much after the expiry it waits for (an event loop's clock may
+round a delay down; firing early would only re-arm it)."""
 
 
 class Dispatcher:
@@ -41,12 +59,14 @@ class Dispatcher:
     :param eject_after_failures: failures in a row that eject an upstream.
     :param eject_s: how long an ejected upstream gets no new requests.
     :param on_eject: told the upstream each time one is ejected.
+    :param clock: the sidecar clock (admission's time: ``Request.arrival_s``).
     """
 
     def __init__(self, upstreams: list[HttpUpstream], pools: tuple[str, ...],
                  admission: Admission, tickets: dict[int, Ticket], *,
                  eject_after_failures: int = 3, eject_s: float = 30.0,
-                 on_eject: Callable[[HttpUpstream], None] | None = None) -> None:
+                 on_eject: Callable[[HttpUpstream], None] | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
         self.upstreams = upstreams
         self.admission = admission
         self.tickets = tickets
@@ -58,6 +78,9 @@ class Dispatcher:
         self.eject_after_failures = eject_after_failures
         self.eject_s = eject_s
         self._on_eject = on_eject
+        self._clock = clock
+        self._timer: asyncio.TimerHandle | None = None
+        self._armed_s = math.inf  # when the expiry timer fires (inf: not armed)
 
     def pool_available(self, pool: str) -> bool:
         """Some upstream of ``pool`` is reachable.
@@ -101,13 +124,13 @@ class Dispatcher:
             first = first or reason
         return first
 
-    def refuse(self, request: Request, reason: RejectReason) -> str:
-        """Count a request refused before it was submitted; the outcome it left with.
+    def refuse(self, request: Request, reason: RejectReason) -> Rejected:
+        """Count a request refused before it was submitted; the refusal.
 
         :param request: the request.
         :param reason: why.
         """
-        return REFUSALS[self.admission.refuse(request, reason).reason]
+        return self.admission.refuse(request, reason)
 
     def upstream_ok(self, upstream: HttpUpstream) -> None:
         """A request went through ``upstream`` (answered, errors of the client included).
@@ -152,28 +175,122 @@ class Dispatcher:
         held.release(ticket)
         self.upstreams[engine.engine_id].add_request(ticket.request, ticket.bucket, prompt,
                                                       truncated)
+        self._arm_for(ticket)
         return True
 
-    def submit(self, ticket: Ticket) -> str | None:
+    def submit(self, ticket: Ticket) -> Rejected | None:
         """Hand a new request to admission.
 
         :param ticket: the request (state ``QUEUED``).
-        :returns: ``None`` when queued or admitted, else the outcome that refused it
-            (``unavailable``, ``rejected_queue_full``, ``rejected_too_long``).
+        :returns: ``None`` when queued or admitted, else the refusal (its ``reason`` is one
+            of :data:`REFUSALS`).
         """
         req = ticket.request
         pool = self.admission.routes[ticket.bucket]
         if not self.pool_available(pool):
-            return REFUSALS[self.admission.refuse(req, "unavailable").reason]
+            return self.admission.refuse(req, "unavailable")
         self.tickets[req.request_id] = ticket
         outcome = self.admission.submit(req)
         if isinstance(outcome, Rejected):
             del self.tickets[req.request_id]
             ticket.state = DONE
-            return REFUSALS[outcome.reason]
+            return outcome
         if isinstance(outcome, Queued):
             self.admit_pool(pool)
+        self._arm_for(ticket)
         return None
+
+    # ------------------------------------------------------------------ queue TTL
+    def expire(self, now_s: float) -> int:
+        """Refuse every request that waited out the queue TTL at ``now_s`` (admission's
+        :meth:`~rlbatch.serving.admission.Admission.expire` for its queues; the same TTL since
+        arrival for the tickets an engine-wide cap holds at an upstream, never sent) and wake
+        their handlers with the refusal (503, ``queue_ttl``).
+
+        :param now_s: the sidecar clock.
+        :returns: how many expired.
+        """
+        adm = self.admission
+        ttl = adm.config.queue_ttl_s
+        if ttl is None:
+            return 0
+        expired: list[Ticket] = []
+        for request, _ in adm.expire(now_s):
+            adm.forget(request.request_id)
+            ticket = self.tickets.pop(request.request_id, None)
+            if ticket is not None:
+                expired.append(ticket)
+        cutoff = now_s - ttl
+        for upstream in self.upstreams:
+            for ticket in upstream.waiting_tickets():
+                if not ticket.tried and ticket.request.arrival_s <= cutoff:
+                    upstream.release(ticket)
+                    adm.forget(ticket.request.request_id)
+                    self.tickets.pop(ticket.request.request_id, None)
+                    expired.append(ticket)
+        if not expired:
+            return 0
+        advice = adm.predicted_ttft_s(now_s)  # the wait of the ones left, as admission's
+        for ticket in expired:
+            ticket.state = DONE
+            ticket.refusal = Rejected(ticket.bucket, "queue_ttl", advice)
+            if not ticket.future.done():
+                ticket.future.set_result(None)
+        self.admit_all()  # a ticket leaving an upstream's FIFO frees room under its caps
+        return len(expired)
+
+    def next_expiry_s(self) -> float:
+        """When the next request waits out the queue TTL (``inf``: none waits, or no TTL)."""
+        ttl = self.admission.config.queue_ttl_s
+        t = self.admission.next_expiry_s()
+        if ttl is None:
+            return t
+        for upstream in self.upstreams:
+            for ticket in upstream.waiting_tickets():
+                if not ticket.tried:
+                    t = min(t, ticket.request.arrival_s + ttl)
+        return t
+
+    def close(self) -> None:
+        """Stop the expiry timer (the sidecar stops)."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = None
+        self._armed_s = math.inf
+
+    def _arm_for(self, ticket: Ticket) -> None:
+        """A ticket starts waiting (queued, or held by an engine-wide cap): make the timer
+        fire by its expiry. Later arrivals expire later, so this re-arms only when nothing was
+        waiting or a moved ticket is older than every other."""
+        ttl = self.admission.config.queue_ttl_s
+        if ttl is None or ticket.state in (RUNNING, DONE) or ticket.tried:
+            return
+        self._arm(ticket.request.arrival_s + ttl)
+
+    def _arm(self, at_s: float) -> None:
+        if at_s >= self._armed_s or self._clock is None or not math.isfinite(at_s):
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        delay_s = max(0.0, at_s - self._clock()) + TIMER_SLACK_S
+        self._timer = asyncio.get_running_loop().call_later(delay_s, self._on_timer)
+        self._armed_s = at_s
+
+    def expire_due(self) -> int:
+        """:meth:`expire` now (the sidecar clock), then arm the timer for the next expiry.
+
+        :returns: how many expired.
+        """
+        if self._clock is None:
+            return 0
+        expired = self.expire(self._clock())
+        self._arm(self.next_expiry_s())
+        return expired
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._armed_s = math.inf
+        self.expire_due()
 
     def admit_pool(self, pool: str) -> None:
         """Let queued requests routed to ``pool`` into its reachable upstreams, least loaded
@@ -205,7 +322,7 @@ class Dispatcher:
             self.admission.admit(upstream)
 
     def abandon(self, ticket: Ticket) -> None:
-        """The request leaves wherever it is (client gone, queue timeout, failure); a queued
+        """The request leaves wherever it is (client gone, failure); a queued
         one is cancelled in admission.
 
         :param ticket: the request.

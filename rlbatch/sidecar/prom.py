@@ -106,14 +106,15 @@ from rlbatch.control.types import ANY_POOL, SLA, ControlAction, DeploymentStats,
 PREFIX = "rlbatch_"
 """Every family's prefix."""
 
-OUTCOMES: tuple[str, ...] = ("ok", "rejected_queue_full", "rejected_too_long",
-                             "queue_timeout", "upstream_error", "upstream_client_error",
-                             "cancelled", "unavailable", "upstream_timeout")
-"""How a request that reached admission left the sidecar."""
+REJECTIONS: tuple[str, ...] = ("rejected_queue_full", "rejected_too_long",
+                               "rejected_predicted_ttft", "rejected_queued_tokens",
+                               "expired_queue_ttl", "unavailable")
+"""The outcomes that refuse a request (the dashboard's and alerts' rejection reasons): one
+per admission refusal reason (:data:`rlbatch.sidecar.dispatch.REFUSALS`)."""
 
-REJECTIONS: tuple[str, ...] = ("rejected_queue_full", "rejected_too_long", "queue_timeout",
-                               "unavailable")
-"""The outcomes that refuse a request (the dashboard's and alerts' rejection reasons)."""
+OUTCOMES: tuple[str, ...] = ("ok", *REJECTIONS, "upstream_error", "upstream_client_error",
+                             "cancelled", "upstream_timeout")
+"""How a request that reached admission left the sidecar."""
 
 LIMITS: tuple[str, ...] = (
     "body_size", "held_bytes", "header_size", "header_timeout", "body_timeout",

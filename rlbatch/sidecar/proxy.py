@@ -2,9 +2,15 @@
 
 ``POST /v1/completions``, ``/v1/chat/completions`` and ``/v1/responses`` are read within bounds
 (:mod:`rlbatch.sidecar.bodies`: 413, 429, 408), validated (400 with a reason), counted,
-bucketed, queued (429 + ``Retry-After`` when the bucket's queue is full or the request waited
-``queue_timeout_s``), forwarded to the pool its bucket is routed to when the bucket is under
-its cap there; streamed responses are passed through chunk by chunk.
+bucketed, queued, forwarded to the pool its bucket is routed to when the bucket is under its
+cap there; streamed responses are passed through chunk by chunk.
+
+Admission's refusals are answered with :attr:`Rejected.status <rlbatch.serving.admission.
+Rejected.status>` in the OpenAI error shape: 429 for a full queue, a predicted TTFT over the
+SLA's slack or the queued-tokens bound at arrival, 503 for a request that waited out the
+queue TTL (``queue_timeout_s``) or whose pool is unreachable. Each carries ``Retry-After``
+(whole seconds, rounded up) and ``retry-after-ms`` (which the ``openai`` client prefers): the
+refusal's predicted drain time, else ``retry_after_s``.
 
 Over-length requests follow vLLM by default (:mod:`rlbatch.sidecar.lengths`): the output is
 shortened, the body goes upstream untouched; ``--over-length truncate|reject`` choose the
@@ -36,7 +42,9 @@ from yarl import URL
 
 from rlbatch.engine.stats import FinishedRequest
 from rlbatch.request import Request
+from rlbatch.serving.admission import Rejected
 from rlbatch.sidecar.bodies import ERROR_TYPES, BodyReader, Refused, json_error
+from rlbatch.sidecar.dispatch import REFUSALS
 from rlbatch.sidecar.lengths import PromptSizer, over_policy
 from rlbatch.sidecar.openai import (
     BadRequest,
@@ -57,7 +65,7 @@ from rlbatch.sidecar.relay import (
 )
 from rlbatch.sidecar.responses import StreamEdits, looks_like_json_object, send
 from rlbatch.sidecar.service import Sidecar
-from rlbatch.sidecar.upstream import QUEUED, HttpUpstream, Ticket
+from rlbatch.sidecar.upstream import HttpUpstream, Ticket
 from rlbatch.sidecar.watchdog import ProgressWatchdog, UpstreamTimeout
 
 PASS_HEADERS: tuple[str, ...] = ("Authorization", "X-Request-Id")
@@ -70,6 +78,20 @@ UPSTREAM_FAILURES: tuple[type[BaseException], ...] = (aiohttp.ClientError, Timeo
 CONNECT_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientConnectorError,
                                                    aiohttp.ConnectionTimeoutError)
 """Failures that mean the upstream is not there: it is marked down until a scrape succeeds."""
+
+
+def retry_headers(retry_after_s: float | None, fallback_s: int) -> dict[str, str]:
+    """``Retry-After`` (whole seconds, rounded up, at least 1) and ``retry-after-ms`` (the
+    ``openai`` client reads it first) of a refusal.
+
+    :param retry_after_s: when the client may come back (the refusal's predicted drain time);
+        ``None`` or not positive: no prediction, ``fallback_s`` is sent.
+    :param fallback_s: the configured ``Retry-After`` (``retry_after_s`` setting).
+    """
+    if retry_after_s is None or not (retry_after_s > 0 and math.isfinite(retry_after_s)):
+        return {"Retry-After": str(fallback_s), "retry-after-ms": str(fallback_s * 1000)}
+    return {"Retry-After": str(max(1, math.ceil(retry_after_s))),
+            "retry-after-ms": str(max(1, math.ceil(retry_after_s * 1000)))}
 
 
 class _UpstreamFailed(Exception):
@@ -96,7 +118,7 @@ class CompletionProxy:
 
     def __init__(self, sidecar: Sidecar) -> None:
         self.sc = sidecar
-        self.retry_after = {"Retry-After": str(sidecar.settings.retry_after_s)}
+        self.retry_after = retry_headers(None, sidecar.settings.retry_after_s)
         self.sizer = PromptSizer(sidecar)
         self._urls: dict[tuple[int, str], URL] = {}
         self.bodies = BodyReader(sidecar.settings, sidecar.metrics, self.retry_after)
@@ -193,22 +215,14 @@ class CompletionProxy:
         req = Request(sc.new_request_id(), arrival, prompt_tokens, max_out)
         bucket = sc.buckets.index(prompt_tokens)
         ticket = Ticket(req, bucket, asyncio.get_running_loop().create_future())
-        outcome = sc.dispatch.submit(ticket)
-        if outcome is not None:
-            sc.metrics.requests[bucket, outcome].inc()
-            return self._refusal(outcome, bucket, req, parsed)
+        rejected = sc.dispatch.submit(ticket)
+        if rejected is not None:
+            return self._refusal(rejected, req, parsed)
         try:
-            if ticket.state == QUEUED or not ticket.future.done():
-                try:
-                    async with asyncio.timeout(sc.settings.queue_timeout_s):
-                        await ticket.future
-                except TimeoutError:
-                    sc.dispatch.abandon(ticket)
-                    sc.metrics.requests[bucket, "queue_timeout"].inc()
-                    return json_error(
-                        429, f"request waited {sc.settings.queue_timeout_s:g} s in the "
-                        f"{sc.bucket_names[bucket]} queue without being admitted",
-                        "rate_limit_exceeded", headers=self.retry_after)
+            if not ticket.future.done():
+                await ticket.future  # admitted, or expired by the queue TTL
+            if ticket.refusal is not None:
+                return self._refusal(ticket.refusal, req, parsed)
             sc.metrics.queue_time[bucket].observe(sc.now() - arrival)
             if ticket.truncated:
                 sc.metrics.truncated[bucket].inc()
@@ -235,25 +249,45 @@ class CompletionProxy:
             return None
         req = Request(sc.new_request_id(), arrival, fewest,
                       parsed.max_output_tokens(fewest, limit))
-        outcome = sc.dispatch.refuse(req, reason)
-        sc.metrics.requests[bucket, outcome].inc()
-        return self._refusal(outcome, bucket, req, parsed)
+        return self._refusal(sc.dispatch.refuse(req, reason), req, parsed)
 
-    def _refusal(self, outcome: str, bucket: int, req: Request,
-                 parsed: ParsedRequest) -> web.Response:
+    def _refusal(self, refused: Rejected, req: Request, parsed: ParsedRequest) -> web.Response:
+        """Count a refusal by its reason and answer it: its status, the OpenAI error shape,
+        ``Retry-After`` and ``retry-after-ms``."""
         sc = self.sc
-        name = sc.bucket_names[bucket]
-        if outcome == "rejected_queue_full":
-            return json_error(429, f"admission queue of bucket {name} is full "
-                              f"({sc.settings.max_queue_len} requests)", "rate_limit_exceeded",
-                              headers=self.retry_after)
-        if outcome == "rejected_too_long":
+        sc.metrics.requests[refused.bucket, REFUSALS[refused.reason]].inc()
+        if refused.reason == "too_long":
             return over_policy(parsed, req.prompt_tokens, req.max_output_tokens,
                                sc.max_model_len, sc.over_length)
-        pool = sc.dispatch.route(bucket)
+        status = refused.status
+        return json_error(status, self._refusal_message(refused), ERROR_TYPES[status],
+                          headers=retry_headers(refused.retry_after_s,
+                                                sc.settings.retry_after_s))
+
+    def _refusal_message(self, refused: Rejected) -> str:
+        """Why a request was refused, in words (naming the option that set the bound)."""
+        sc = self.sc
+        s = sc.settings
+        name = sc.bucket_names[refused.bucket]
+        wait = refused.retry_after_s
+        drain = "" if not wait else f"; the requests ahead drain in about {wait:.1f} s"
+        if refused.reason == "queue_full":
+            return (f"admission queue of bucket {name} is full ({s.max_queue_len} requests, "
+                    f"--max-queue-len)")
+        if refused.reason == "predicted_ttft":
+            return (f"predicted time to first token {wait or 0.0:.1f} s exceeds "
+                    f"{s.reject_ttft_slack:g} x the SLA's {s.sla.ttft_s:g} s "
+                    f"(--reject-ttft-slack)")
+        if refused.reason == "queued_tokens":
+            return (f"the admission queues hold {sc.admission.queued_prompt_tokens} prompt "
+                    f"tokens, the bound is {s.max_num_queued_tokens} "
+                    f"(--max-num-queued-tokens){drain}")
+        if refused.reason == "queue_ttl":
+            return (f"request waited {s.queue_timeout_s:g} s (the queue TTL, "
+                    f"--queue-timeout-s) in bucket {name} without being admitted{drain}")
+        pool = sc.dispatch.route(refused.bucket)
         reasons = "; ".join(r for u in sc.dispatch.by_pool[pool] if (r := u.down_reason))
-        return json_error(503, f"no reachable upstream in pool {pool} for bucket {name}: "
-                          f"{reasons}", "service_unavailable", headers=self.retry_after)
+        return f"no reachable upstream in pool {pool} for bucket {name}: {reasons}"
 
     def headers(self, request: web.Request) -> dict[str, str]:
         """The headers forwarded upstream: JSON, plus the client's :data:`PASS_HEADERS`.

@@ -87,16 +87,24 @@ class Sidecar:
         self._max_model_len = settings.max_model_len or guard.max_seq_len
         engines: list[Engine] = [*self.upstreams]
         admission_policy = "reject" if self.over_length == "vllm" else self.over_length
+        # the overload rules are admission's, as in the simulator: the sidecar's queue
+        # timeout is the queue TTL
         admission = Admission(engines, self.buckets, self._max_model_len or NO_LIMIT,
-                              AdmissionConfig(admission_policy,
-                                              settings.max_queue_len))
+                              AdmissionConfig(admission_policy, settings.max_queue_len,
+                                              queue_ttl_s=settings.queue_timeout_s,
+                                              reject_ttft_slack=settings.reject_ttft_slack,
+                                              max_num_queued_tokens=(
+                                                  settings.max_num_queued_tokens),
+                                              drain_window_s=settings.drain_window_s,
+                                              max_retry_after_s=settings.max_retry_after_s))
         self.metrics = SidecarMetrics(self.bucket_names, self.pools,
                                       tuple(u.name for u in self.upstreams), self.control_state,
                                       settings.sla)
         self.dispatch = Dispatcher(self.upstreams, self.pools, admission, self.tickets,
                                    eject_after_failures=settings.eject_after_failures,
                                    eject_s=settings.eject_s,
-                                   on_eject=lambda u: self.metrics.ejections[u.name].inc())
+                                   on_eject=lambda u: self.metrics.ejections[u.name].inc(),
+                                   clock=self.now)
         self.admission = admission
         n = len(self.buckets)
         self.source = UpstreamSource(self.dispatch, self.describe(),
@@ -140,6 +148,7 @@ class Sidecar:
     async def tick(self) -> DeploymentStats:
         """One control tick: scrape every upstream, then snapshot, decide, apply."""
         started = time.perf_counter()
+        self.dispatch.expire_due()  # the timer does it on time; this is a safety net
         failures = [f for f in await self._scrape_all() if f]
         stats = self.control.tick(self.now(), failures)
         self.metrics.tick_seconds.observe(time.perf_counter() - started)
@@ -185,6 +194,7 @@ class Sidecar:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+            self.dispatch.close()
             await self.session.close()
             if self.writer is not None:
                 self.control.writer = None

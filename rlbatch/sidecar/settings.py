@@ -7,6 +7,7 @@ failing on its first request.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -73,9 +74,21 @@ class SidecarSettings:
     :param sla: the SLA in force (goodput, guard P99 rule).
     :param max_queue_len: per-bucket admission queue bound; a request arriving at a full queue
         is answered 429 with ``Retry-After``.
-    :param queue_timeout_s: longest a request may wait in its admission queue before it is
-        answered 429.
-    :param retry_after_s: the ``Retry-After`` value of a 429 (seconds).
+    :param queue_timeout_s: the queue TTL (admission's ``queue_ttl_s``): a request that has
+        waited this long since it arrived without being forwarded, in its admission queue or
+        held at an upstream by an engine-wide cap, is answered 503 with ``Retry-After``.
+    :param reject_ttft_slack: refuse an arrival (429 with ``Retry-After``) when its predicted
+        TTFT (the requests waiting ahead of it over the rate requests complete) exceeds the
+        SLA's TTFT times this; ``None``: never.
+    :param max_num_queued_tokens: refuse an arrival (429 with ``Retry-After``) while the
+        prompt tokens of the requests in the admission queues reach this bound (vLLM's
+        ``--max-num-queued-tokens``); ``None``: no bound.
+    :param drain_window_s: the window over which the rate requests complete, which the
+        predicted TTFT divides by, is measured.
+    :param max_retry_after_s: the longest ``Retry-After`` an overload refusal gives (the
+        predicted drain time otherwise; admission's ``max_retry_after_s``); ``None``: no cap.
+    :param retry_after_s: the ``Retry-After`` value (seconds) of a refusal without a
+        predicted drain time (a 429 or 503 whose wait cannot be predicted yet).
     :param tokenizer: how prompt length is counted: ``auto`` (a local tokenizer when the
         upstream's model folder is readable here, else ``upstream``), ``upstream`` (the
         upstream's ``/tokenize``), ``approx`` (UTF-8 bytes / ``approx_bytes_per_token``), or a
@@ -184,6 +197,10 @@ class SidecarSettings:
     sla: SLA = field(default_factory=SLA)
     max_queue_len: int = 256
     queue_timeout_s: float = 300.0
+    reject_ttft_slack: float | None = None
+    max_num_queued_tokens: int | None = None
+    drain_window_s: float = 30.0
+    max_retry_after_s: float | None = None
     retry_after_s: int = 1
     tokenizer: str = "auto"
     approx_bytes_per_token: float = 4.0
@@ -249,6 +266,7 @@ class SidecarSettings:
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        self._check_overload()
         if self.capacity_rps is not None and not 0 < self.capacity_rps < float("inf"):
             raise ValueError(f"capacity_rps must be > 0 and finite or None, got "
                              f"{self.capacity_rps}")
@@ -293,6 +311,27 @@ class SidecarSettings:
         if self.shadow_pool is not None and self.shadow_pool not in self.pools:
             raise ValueError(f"shadow_pool {self.shadow_pool!r} is not among the upstream pools "
                              f"{list(self.pools)}")
+
+    def _check_overload(self) -> None:
+        """The queue TTL and the two rules that refuse at arrival."""
+        for name in ("queue_timeout_s", "drain_window_s"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be > 0 and finite, got {value}")
+        slack = self.reject_ttft_slack
+        if slack is not None:
+            if not (slack > 0 and math.isfinite(slack)):
+                raise ValueError(f"reject_ttft_slack must be > 0 and finite or None, got "
+                                 f"{slack}")
+            if not math.isfinite(self.sla.ttft_s):
+                raise ValueError(f"reject_ttft_slack ({slack}) needs a finite SLA TTFT "
+                                 f"(--sla-ttft-s), got {self.sla.ttft_s}")
+        if self.max_num_queued_tokens is not None and self.max_num_queued_tokens < 1:
+            raise ValueError(f"max_num_queued_tokens must be >= 1 or None, got "
+                             f"{self.max_num_queued_tokens}")
+        cap = self.max_retry_after_s
+        if cap is not None and not (cap > 0 and math.isfinite(cap)):
+            raise ValueError(f"max_retry_after_s must be > 0 and finite or None, got {cap}")
 
     @property
     def pools(self) -> tuple[str, ...]:

@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 
 from rlbatch.engine.base import kv_budget_exceeded
 from rlbatch.engine.reserve import KvCommitMode, KvReserveMode, OutputReserve
-from rlbatch.engine.stats import EngineStats, FinishedRequest
+from rlbatch.engine.stats import AbortedRequest, EngineStats, FinishedRequest
 from rlbatch.request import Request
+from rlbatch.serving.admission import Rejected
 from rlbatch.sidecar.settings import UpstreamSpec
 from rlbatch.sidecar.vllm_metrics import VllmMetrics, counter_delta
 
@@ -58,6 +59,8 @@ class Ticket:
     :param truncated: admission truncated the prompt.
     :param tried: engine ids that failed this request (not retried there).
     :param committed: the KV the budget counts for it while it is in an upstream (tokens).
+    :param refusal: why it was refused after it was accepted (expired by the queue TTL), set
+        before its future is resolved; ``None`` while it may still be forwarded.
     """
 
     request: Request
@@ -69,6 +72,7 @@ class Ticket:
     truncated: bool = False
     tried: set[int] = field(default_factory=set)
     committed: int = 0
+    refusal: Rejected | None = None
 
 
 class HttpUpstream:
@@ -222,6 +226,18 @@ class HttpUpstream:
         else:
             ticket.state = WAITING
             self._waiting.append(ticket)
+
+    def abort(self, request_id: int, *,
+              before_first_token: bool = False) -> AbortedRequest | None:
+        """Nothing is removed here: a request's handler owns it (a client that leaves closes
+        the upstream connection and vLLM aborts the request; the queue TTL is
+        :meth:`~rlbatch.sidecar.dispatch.Dispatcher.expire`, which answers the handler), so a
+        removal here would leave its handler waiting. Always ``None``.
+
+        :param request_id: the request's id.
+        :param before_first_token: only one without its first token (unused).
+        """
+        return None
 
     def is_idle(self) -> bool:
         return self._total == 0

@@ -24,7 +24,7 @@ from rlbatch.workload.lengths import (
 )
 
 __all__ = ["LengthDist", "LengthMixture", "LogNormalLengths", "azure_like_mix", "bursty",
-           "day_mix", "diurnal", "night_mix", "poisson"]
+           "day_mix", "diurnal", "night_mix", "poisson", "surge"]
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -92,6 +92,44 @@ def bursty(mean_rate_rps: float, duration_s: float, lengths: LengthDist | None =
               f"lengths={dist.describe()}, seed={seed}, burst_factor={burst_factor:g}, "
               f"mean_on_s={mean_on_s:g}, mean_off_s={mean_off_s:g})")
     return _workload(f"bursty-{dist.describe()}", source, arrivals, dist, rng)
+
+
+def surge(rate_rps: float, duration_s: float, lengths: LengthDist | None = None,
+          seed: int = 0, surge_factor: float = 3.75, surge_start_s: float = 300.0,
+          surge_s: float = 60.0) -> Workload:
+    """Steady Poisson arrivals with one surge: ``rate_rps``, then ``surge_factor`` times it
+    for ``surge_s`` seconds from ``surge_start_s``, then ``rate_rps`` again (e.g. 0.8x the
+    deployment's capacity with a factor of 3.75: 60 s at 3x capacity).
+
+    :param rate_rps: the steady rate in requests per second (> 0).
+    :param duration_s: length of the arrival window in seconds (> 0).
+    :param lengths: length distribution (default :func:`azure_like_mix`).
+    :param seed: seed of the per-call generator.
+    :param surge_factor: the surge's rate over the steady one (>= 1).
+    :param surge_start_s: when the surge starts (>= 0, before ``duration_s``).
+    :param surge_s: how long it lasts (> 0).
+    :raises ValueError: for invalid arguments.
+    """
+    _check_rate_duration(rate_rps * max(surge_factor, 1.0), duration_s)
+    if not (math.isfinite(surge_factor) and surge_factor >= 1.0):
+        raise ValueError(f"surge_factor must be a finite number >= 1, got {surge_factor}")
+    _check_positive("surge_s", surge_s)
+    if not 0.0 <= surge_start_s < duration_s:
+        raise ValueError(f"surge_start_s must be in [0, duration_s={duration_s:g}), got "
+                         f"{surge_start_s}")
+    dist = lengths if lengths is not None else azure_like_mix()
+    rng = np.random.default_rng(seed)
+    end = min(surge_start_s + surge_s, duration_s)
+    arrivals = np.concatenate([
+        poisson_arrivals(rng, rate_rps, 0.0, surge_start_s),
+        poisson_arrivals(rng, rate_rps * surge_factor, surge_start_s, end),
+        poisson_arrivals(rng, rate_rps, end, duration_s)])
+    source = (f"surge(rate_rps={rate_rps:g}, duration_s={duration_s:g}, "
+              f"lengths={dist.describe()}, seed={seed}, surge_factor={surge_factor:g}, "
+              f"surge_start_s={surge_start_s:g}, surge_s={surge_s:g})")
+    # re-based as every workload is: the surge moves earlier by the first arrival's time
+    # (1/rate_rps on average)
+    return _workload(f"surge-{dist.describe()}", source, arrivals, dist, rng)
 
 
 def diurnal(mean_rate_rps: float, duration_s: float, lengths: LengthDist | None = None,

@@ -6,6 +6,7 @@ Valid forms::
     poisson:rate=R,duration=D[,mix=M]
     bursty:rate=R,duration=D[,mix=M][,burst=F][,on=S][,off=S]
     diurnal:rate=R,duration=D[,mix=M][,period=S][,amplitude=A]
+    surge:rate=R,duration=D[,mix=M][,factor=F][,start=S][,length=S]
     F:load=X,duration=D  (or rate=R)        a traffic family (rlbatch.workload.families)
     drift:families=F/F...,load=X,duration=D[,segment=S]
 
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from rlbatch.workload.base import Workload
 from rlbatch.workload.families import FAMILIES, chat_mix, drift, report_mix
-from rlbatch.workload.generators import bursty, diurnal, poisson
+from rlbatch.workload.generators import bursty, diurnal, poisson, surge
 from rlbatch.workload.lengths import (
     LengthDist,
     azure_like_mix,
@@ -38,13 +39,15 @@ MIXES: dict[str, Callable[[], LengthDist]] = {
 
 #: Generator name -> optional keys beyond rate, duration and mix.
 GENERATOR_KEYS: dict[str, tuple[str, ...]] = {
-    "poisson": (), "bursty": ("burst", "on", "off"), "diurnal": ("period", "amplitude")}
+    "poisson": (), "bursty": ("burst", "on", "off"), "diurnal": ("period", "amplitude"),
+    "surge": ("factor", "start", "length")}
 
 VALID_FORMS = (
     "PATH (Azure CSV or Mooncake JSONL trace); "
     "poisson:rate=R,duration=D[,mix=M]; "
     "bursty:rate=R,duration=D[,mix=M][,burst=F][,on=S][,off=S]; "
     "diurnal:rate=R,duration=D[,mix=M][,period=S][,amplitude=A]; "
+    "surge:rate=R,duration=D[,mix=M][,factor=F][,start=S][,length=S]; "
     "F:load=X,duration=D (or rate=R req/s); "
     "drift:families=F/F...,load=X,duration=D[,segment=S]; "
     f"M in {'|'.join(MIXES)} (default azure-like); F in {'|'.join(FAMILIES)}")
@@ -93,6 +96,10 @@ def _generate(kind: str, body: str, spec: str, seed: int, rate_scale: float) -> 
     if kind == "bursty":
         return bursty(rate, duration, lengths, seed, burst_factor=numbers.get("burst", 4.0),
                       mean_on_s=numbers.get("on", 10.0), mean_off_s=numbers.get("off", 30.0))
+    if kind == "surge":
+        return surge(rate, duration, lengths, seed, surge_factor=numbers.get("factor", 3.75),
+                     surge_start_s=numbers.get("start", 300.0),
+                     surge_s=numbers.get("length", 60.0))
     return diurnal(rate, duration, lengths, seed, period_s=numbers.get("period"),
                    amplitude=numbers.get("amplitude", 0.5))
 

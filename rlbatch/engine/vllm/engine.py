@@ -37,6 +37,10 @@ Semantics, and how they line up with the simulator:
   (iterations, tokens, recomputation) and rlbatch's bookkeeping of request ids (per-bucket
   running from the scheduler's running list, waiting = inside the engine but not running).
   GPU memory comes from :class:`~rlbatch.engine.telemetry.MemoryTelemetry` (process memory on CPU).
+* **Aborts.** :meth:`~VllmEngine.abort` calls ``LLMEngine.abort_request`` with vLLM's own
+  request id (the in-process core runs the scheduler's ``finish_requests`` at once: the
+  request leaves its queue and its blocks are freed, cached ones kept), and the probe's
+  per-request counts give what it had computed.
 * **Caps.** ``max_num_seqs`` changes through the scheduler's ``max_num_active_reqs``, clamped
   to the configured ``max_num_seqs`` (lowering vLLM's ``max_num_seqs`` itself at run time
   trips an assertion). Per-bucket caps stay with admission.
@@ -56,7 +60,7 @@ from typing import Any
 
 from rlbatch.engine.base import kv_budget_exceeded
 from rlbatch.engine.reserve import KvCommitMode, OutputReserve, peak_commitment
-from rlbatch.engine.stats import EngineStats, FinishedRequest
+from rlbatch.engine.stats import AbortedRequest, EngineStats, FinishedRequest
 from rlbatch.engine.telemetry import MemoryTelemetry
 from rlbatch.engine.vllm.clock import LiveClock
 from rlbatch.engine.vllm.config import VllmEngineConfig
@@ -350,6 +354,37 @@ class VllmEngine:
                     timer.schedule_s, timer.forward_s, timer.update_s, cpu_s))
         probe.clear_step()
 
+    def abort(self, request_id: int, *,
+              before_first_token: bool = False) -> AbortedRequest | None:
+        """Abort a request through vLLM (``LLMEngine.abort_request``, as the API server does
+        when a client disconnects) between two steps; see
+        :meth:`~rlbatch.engine.base.Engine.abort`.
+
+        :param request_id: the workload's request id.
+        :param before_first_token: only if it has not produced its first token.
+        """
+        live = self._by_ext.get(f"{self.engine_id}-{request_id}")
+        if live is None:
+            return None
+        req = self._scheduler.requests.get(live.vllm_id)
+        generated = int(req.num_output_tokens) if req is not None else 0
+        first = live.first_token_s >= 0.0 or generated > 0
+        if before_first_token and first:
+            return None
+        self._engine.abort_request([live.vllm_id], internal=True)
+        del self._by_ext[f"{self.engine_id}-{request_id}"]
+        self._by_vllm.pop(live.vllm_id, None)
+        prefilled = self._probe.prefilled.get(live.vllm_id, 0)
+        self._probe.forget(live.vllm_id)
+        self._unfinished[live.bucket] -= 1
+        # its output is cut short: not an observation for the KV reserve
+        record = AbortedRequest(
+            request_id=live.request_id, bucket=live.bucket, pool=self.pool,
+            arrival_s=live.arrival_s, abort_s=self._now, prefill_tokens_computed=prefilled,
+            output_tokens=generated, first_token=first)
+        self._aborted.append(record)
+        return record
+
     def snapshot(self) -> EngineStats:
         running = [0] * self.num_buckets
         for req in self._scheduler.running:
@@ -384,6 +419,7 @@ class VllmEngine:
             max_num_seqs=self._max_num_seqs,
             finished=tuple(self._finished),
             first_tokens=tuple(self._first_tokens),
+            aborted=tuple(self._aborted),
         )
         self._reset_interval()
         return stats
@@ -398,6 +434,7 @@ class VllmEngine:
         self._recomputed_tokens = 0
         self._finished: list[FinishedRequest] = []
         self._first_tokens: list[tuple[int, float]] = []
+        self._aborted: list[AbortedRequest] = []
 
     # ----------------------------------------------------------------- extras
     @property

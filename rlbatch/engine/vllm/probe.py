@@ -93,7 +93,12 @@ class IterationRecord:
 
 @dataclass
 class SchedulerProbe:
-    """What the wrapped ``Scheduler.schedule`` saw in the latest call."""
+    """What the wrapped ``Scheduler.schedule`` saw in the latest call, and per request
+    inside the engine: its context (``computed``), where the prefill of its current
+    admission ends (``prefill_end``: its tokens when first scheduled since it was admitted
+    or resumed) and the prefill tokens computed for it so far (``prefilled``: recomputes
+    after preemption included, prefix-cache hits excluded; what an abort reports).
+    """
 
     scheduled: bool = False
     prefill_tokens: int = 0
@@ -106,6 +111,8 @@ class SchedulerProbe:
     preempted_ids: list[str] = field(default_factory=list)
     recomputed_tokens: int = 0
     computed: dict[str, int] = field(default_factory=dict)
+    prefill_end: dict[str, int] = field(default_factory=dict)
+    prefilled: dict[str, int] = field(default_factory=dict)
 
     def observe(self, out: Any, requests: Any) -> None:
         """Read one ``schedule()`` result.
@@ -128,8 +135,10 @@ class SchedulerProbe:
         self.recomputed_tokens = 0
         preempted = getattr(out, "preempted_req_ids", None) or ()
         self.preempted_ids = list(preempted)
+        prefill_end = self.prefill_end
         for rid in self.preempted_ids:
             self.recomputed_tokens += self.computed.pop(rid, 0)
+            prefill_end.pop(rid, None)  # resumed later with its output so far to prefill
         scheduled: dict[str, int] = out.num_scheduled_tokens
         self.scheduled = bool(out.total_num_scheduled_tokens > 0)
         computed = self.computed
@@ -141,6 +150,11 @@ class SchedulerProbe:
             before = after - n
             total = int(req.num_tokens)
             computed[rid] = after
+            end = prefill_end.get(rid)
+            if end is None:  # its first chunk since it was admitted or resumed
+                end = prefill_end[rid] = total
+            if before < end:
+                self.prefilled[rid] = self.prefilled.get(rid, 0) + min(after, end) - before
             if n == 1 and before > 0 and total - before == 1:
                 self.num_decode += 1
                 self.kv_decode += before + 1
@@ -152,11 +166,13 @@ class SchedulerProbe:
                     self.first_token_ids.append(rid)
 
     def forget(self, rid: str) -> None:
-        """Drop a finished request's context.
+        """Drop a finished (or aborted) request's context and counts.
 
         :param rid: vLLM request id.
         """
         self.computed.pop(rid, None)
+        self.prefill_end.pop(rid, None)
+        self.prefilled.pop(rid, None)
 
     def clear_step(self) -> None:
         """Forget the latest iteration's events once the engine has consumed them."""

@@ -1,0 +1,122 @@
+"""Overload rules in admission: the queue TTL, rejection on a predicted TTFT, the queued-tokens
+bound, and the drain rate they read."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from rlbatch.control.discipline import AdmissionDiscipline
+from rlbatch.control.types import ControlAction
+from rlbatch.engine.base import Engine
+from rlbatch.request import Request
+from rlbatch.serving.admission import HTTP_STATUS, Admission, AdmissionConfig, Queued, Rejected
+from rlbatch.serving.overload import MIN_COMPLETIONS, DrainRate, predicted_wait_s
+from tests.factories import BUCKETS, sim_engine
+
+MAX_LEN = 512
+
+
+def _admission(config: AdmissionConfig, order: str = "fifo", ttft_s: float = 2.0,
+               caps: tuple[int | None, ...] = (1, 1, 1)) -> Admission:
+    engines: list[Engine] = [sim_engine(0, "fp16", blocks=64, kv_reserve="oracle")]
+    adm = Admission(engines, BUCKETS, MAX_LEN, config)
+    adm.configure(AdmissionDiscipline(order, None), ttft_s)  # type: ignore[arg-type]
+    adm.apply(ControlAction(caps=caps, pools=("fp16",) * len(caps)))
+    return adm
+
+
+def _req(rid: int, arrival_s: float, prompt: int = 10) -> Request:
+    return Request(rid, arrival_s, prompt, 4)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"queue_ttl_s": 0.0}, "queue_ttl_s"), ({"queue_ttl_s": math.inf}, "queue_ttl_s"),
+    ({"reject_ttft_slack": -1.0}, "reject_ttft_slack"),
+    ({"max_num_queued_tokens": 0}, "max_num_queued_tokens"),
+    ({"drain_window_s": 0.0}, "drain_window_s")])
+def test_bad_overload_settings_are_refused(kwargs: dict[str, float], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        AdmissionConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_drain_rate_needs_enough_completions_and_forgets_the_old_ones() -> None:
+    drain = DrainRate(10.0)
+    drain.note([float(t) for t in range(MIN_COMPLETIONS - 1)])
+    assert drain.rate(MIN_COMPLETIONS - 1.0) is None
+    drain.note([3.5])  # reported late: kept in order
+    # 9 s since the first completion: a window not yet full divides by what has passed
+    assert drain.rate(9.0) == pytest.approx(MIN_COMPLETIONS / 9.0)
+    assert drain.rate(13.5) is None  # 0..3.5 left the window
+    drain.note([35.0 + k for k in range(MIN_COMPLETIONS)])
+    assert drain.rate(42.0) == pytest.approx(MIN_COMPLETIONS / 10.0)  # a full window
+    assert predicted_wait_s(0, 2.0) == 0.0
+    assert predicted_wait_s(6, 2.0) == 3.0
+    assert predicted_wait_s(6, None) == 0.0
+
+
+def test_the_queue_ttl_expires_the_oldest_and_answers_503() -> None:
+    adm = _admission(AdmissionConfig(queue_ttl_s=5.0))
+    for rid, t in enumerate((0.0, 1.0, 2.0)):
+        assert isinstance(adm.submit(_req(rid, t)), Queued)
+    assert adm.next_expiry_s() == 5.0
+    assert adm.expire(4.999) == []
+    expired = adm.expire(6.0)
+    assert [(r.request_id, out.reason, out.status) for r, out in expired] == [
+        (0, "queue_ttl", 503), (1, "queue_ttl", 503)]
+    assert adm.queued() == (1, 0, 0)
+    assert adm.queued_prompt_tokens == 10
+    assert adm.refusals["queue_ttl"] == [2, 0, 0]
+    records = adm.take_rejected()
+    assert [(r.request_id, r.finish_s, r.rejected) for r in records] == [(0, 6.0, True),
+                                                                         (1, 6.0, True)]
+    assert HTTP_STATUS["queue_ttl"] == 503
+
+
+def test_a_predicted_ttft_past_the_sla_is_refused_with_the_drain_time() -> None:
+    """FIFO, nothing admitted (no admit call): 9 waiting, 8 completions in the 10 s since the
+    first (0.8/s): the next arrival would wait 11.25 s > 1.5 x 2 s and is refused with that
+    as Retry-After."""
+    adm = _admission(AdmissionConfig(reject_ttft_slack=1.5))
+    for rid in range(8):
+        assert isinstance(adm.submit(_req(rid, 10.0 + rid * 0.1)), Queued)
+    # no drain rate known yet: nothing is refused
+    assert isinstance(adm.submit(_req(8, 11.0)), Queued)
+    adm.note_finished([float(t) for t in range(2, 2 + MIN_COMPLETIONS)])
+    out = adm.submit(_req(9, 12.0))
+    assert isinstance(out, Rejected) and out.reason == "predicted_ttft"
+    assert out.status == 429
+    assert out.retry_after_s == pytest.approx(9 / (MIN_COMPLETIONS / 10.0))
+    assert adm.refusals["predicted_ttft"] == [1, 0, 0]
+
+
+def test_deadline_order_counts_only_the_on_time_requests_ahead() -> None:
+    """Under deadline order late requests go after an arrival: with 8 late and 1 on time
+    ahead, the predicted wait is 1 / rate = 1.25 s, under 2 x 2 s, and the arrival is let in;
+    served FIFO the same queue predicts 9 / rate and refuses it."""
+    outcomes = {}
+    for order in ("deadline", "fifo"):
+        adm = _admission(AdmissionConfig(reject_ttft_slack=2.0), order=order, ttft_s=2.0)
+        for rid in range(8):
+            adm.submit(_req(rid, 0.1 * rid))
+        adm.submit(_req(8, 19.5))
+        adm.note_finished([float(t) for t in range(10, 10 + MIN_COMPLETIONS)])
+        outcomes[order] = (adm.waiting_ahead(20.0), adm.submit(_req(9, 20.0)))
+    assert outcomes["deadline"][0] == 1 and isinstance(outcomes["deadline"][1], Queued)
+    assert outcomes["fifo"][0] == 9 and isinstance(outcomes["fifo"][1], Rejected)
+
+
+def test_the_queued_tokens_bound_counts_prompts_waiting_in_admission() -> None:
+    adm = _admission(AdmissionConfig(max_num_queued_tokens=25))
+    assert isinstance(adm.submit(_req(0, 0.0, prompt=20)), Queued)
+    assert isinstance(adm.submit(_req(1, 0.1, prompt=5)), Queued)
+    out = adm.submit(_req(2, 0.2, prompt=1))
+    assert isinstance(out, Rejected) and out.reason == "queued_tokens" and out.status == 429
+    assert adm.cancel(1)
+    assert adm.queued_prompt_tokens == 20
+    assert isinstance(adm.submit(_req(3, 0.3, prompt=1)), Queued)
+    adm.apply(ControlAction(caps=(8, 8, 8), pools=("fp16",) * 3))
+    adm.admit(adm.engines[0])
+    assert adm.queued_prompt_tokens == 0
+
