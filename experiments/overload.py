@@ -51,7 +51,7 @@ CLIENTS = ("sdk", "interactive")
 SLACKS = (None, 1.0, 1.5, 2.0, 3.0)
 TTLS = (None, 4.0, 6.0, 10.0)
 """The grid of the first tuning (each alone, and every pair); ``tune`` takes any other."""
-TOKEN_BOUNDS = (2048, 4096, 8192, 16384, 32768)
+TOKEN_BOUNDS = (512, 1024, 2048, 4096, 8192, 16384)
 TRAIN_LOADS = (0.9, 1.0, 1.2, 1.5)
 OVERLOAD_LOADS = (1.2, 1.5)
 
@@ -65,7 +65,8 @@ def _spec(args: argparse.Namespace, clients: str, rule: Rule) -> DeploymentSpec:
         gpu=args.gpu, model=args.model, clients=clients, sla=SLA(args.sla_ttft_s, 0.1),
         admission=AdmissionConfig(over_length="truncate", reject_ttft_slack=slack,
                                   queue_ttl_s=ttl, max_num_queued_tokens=tokens,
-                                  max_retry_after_s=args.max_retry_after))
+                                  max_retry_after_s=args.max_retry_after,
+                                  retry_overload=not args.no_retry_overload))
 
 
 def _azure() -> str:
@@ -117,8 +118,10 @@ def _summary(rows: list[dict[str, Any]], base: list[dict[str, Any]] | None,
         out[f"goodput_{clients}"] = gmean([r["goodput_rps"] for r in mine])
         if base is not None:
             theirs = [r for r in base if r["clients"] == clients]
+            # a run where neither serves anything within the SLA has no ratio
             out[f"vs_none_{clients}"] = gmean([a["goodput_rps"] / b["goodput_rps"]
-                                               for a, b in zip(mine, theirs, strict=True)])
+                                               for a, b in zip(mine, theirs, strict=True)
+                                               if a["goodput_rps"] > 0 and b["goodput_rps"] > 0])
     return out
 
 
@@ -152,9 +155,11 @@ def judge(args: argparse.Namespace) -> None:
           " / with | wasted none / with | refused (arrival / TTL) | KV overflows |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for a, b in zip(base, mine, strict=True):
+        ratio = (f"{b['goodput_rps'] / a['goodput_rps']:.3f}x" if a["goodput_rps"] > 0
+                 else "-")
         print(f"| {Path(b['trace']).stem} | {b['rate_scale']:g} | {b['clients']} | "
               f"{a['goodput_rps']:.3f} | {b['goodput_rps']:.3f} | "
-              f"{b['goodput_rps'] / a['goodput_rps']:.3f}x | {a['any_answer_p99_s']:.1f} / "
+              f"{ratio} | {a['any_answer_p99_s']:.1f} / "
               f"{b['any_answer_p99_s']:.1f} s | {a['wasted_token_share']:.2%} / "
               f"{b['wasted_token_share']:.2%} | {b['rejected_at_arrival']} / "
               f"{b['rejected_by_ttl']} | {b['kv_overflows']} |")
@@ -259,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttl", type=float, default=None, help="queue_ttl_s judged")
     p.add_argument("--max-retry-after", type=float, default=None,
                    help="max_retry_after_s of every rule")
+    p.add_argument("--no-retry-overload", action="store_true",
+                   help="overload refusals tell clients not to retry")
     p.add_argument("--slacks", type=_floats, default=SLACKS[1:], help="tune's slacks")
     p.add_argument("--ttls", type=_floats, default=TTLS[1:], help="tune's TTLs (s)")
     p.add_argument("--gpu", default="a100-80g")

@@ -48,6 +48,7 @@ def test_the_sdk_profile_retries_as_the_openai_client_does() -> None:
     assert sdk.retries_status(429, None) and sdk.retries_status(503, 3.0)
     assert sdk.retries_status(408, None) and not sdk.retries_status(400, None)
     assert not sdk.retries_status(429, 121.0)  # a Retry-After over 120 s is not retried
+    assert not sdk.retries_status(503, 1.0, should_retry=False)  # x-should-retry: false
     assert sdk.retry_delay_s(0, 7.0, rng) == 7.0
     first = [sdk.retry_delay_s(0, None, rng) for _ in range(200)]
     second = [sdk.retry_delay_s(1, None, rng) for _ in range(200)]
@@ -125,3 +126,10 @@ def test_the_clients_seed_draws_the_mix() -> None:
     assert a["abandoned"] == b["abandoned"] and a["goodput_rps"] == b["goodput_rps"]
     assert (a["abandoned"], a["goodput_rps"]) != (c["abandoned"], c["goodput_rps"])
     assert replace(DeploymentSpec(), clients="sdk").clients == "sdk"
+
+
+def test_refusals_that_say_not_to_retry_end_sdk_requests() -> None:
+    row = _run("fixed:256[order=deadline]", "sdk", reject_ttft_slack=1.0, queue_ttl_s=6.0,
+               retry_overload=False)
+    assert row["retries"] == 0 and row["rejected"] > 0  # type: ignore[operator]
+    assert row["any_answer_p99_s"] <= 6.0 + 0.5  # type: ignore[operator]

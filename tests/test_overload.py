@@ -46,8 +46,7 @@ def test_drain_rate_needs_enough_completions_and_forgets_the_old_ones() -> None:
     drain.note([float(t) for t in range(MIN_COMPLETIONS - 1)])
     assert drain.rate(MIN_COMPLETIONS - 1.0) is None
     drain.note([3.5])  # reported late: kept in order
-    # 9 s since the first completion: a window not yet full divides by what has passed
-    assert drain.rate(9.0) == pytest.approx(MIN_COMPLETIONS / 9.0)
+    assert drain.rate(9.0) == pytest.approx(MIN_COMPLETIONS / 10.0)
     assert drain.rate(13.5) is None  # 0..3.5 left the window
     drain.note([35.0 + k for k in range(MIN_COMPLETIONS)])
     assert drain.rate(42.0) == pytest.approx(MIN_COMPLETIONS / 10.0)  # a full window
@@ -75,9 +74,9 @@ def test_the_queue_ttl_expires_the_oldest_and_answers_503() -> None:
 
 
 def test_a_predicted_ttft_past_the_sla_is_refused_with_the_drain_time() -> None:
-    """FIFO, nothing admitted (no admit call): 9 waiting, 8 completions in the 10 s since the
-    first (0.8/s): the next arrival would wait 11.25 s > 1.5 x 2 s and is refused with that
-    as Retry-After."""
+    """FIFO, nothing admitted (no admit call): 9 waiting, 8 completions in the 30-s window
+    (0.267/s): the next arrival would wait 33.75 s > 1.5 x 2 s and is refused with that as
+    Retry-After."""
     adm = _admission(AdmissionConfig(reject_ttft_slack=1.5))
     for rid in range(8):
         assert isinstance(adm.submit(_req(rid, 10.0 + rid * 0.1)), Queued)
@@ -87,13 +86,13 @@ def test_a_predicted_ttft_past_the_sla_is_refused_with_the_drain_time() -> None:
     out = adm.submit(_req(9, 12.0))
     assert isinstance(out, Rejected) and out.reason == "predicted_ttft"
     assert out.status == 429
-    assert out.retry_after_s == pytest.approx(9 / (MIN_COMPLETIONS / 10.0))
+    assert out.retry_after_s == pytest.approx(9 / (MIN_COMPLETIONS / 30.0))
     assert adm.refusals["predicted_ttft"] == [1, 0, 0]
 
 
 def test_deadline_order_counts_only_the_on_time_requests_ahead() -> None:
     """Under deadline order late requests go after an arrival: with 8 late and 1 on time
-    ahead, the predicted wait is 1 / rate = 1.25 s, under 2 x 2 s, and the arrival is let in;
+    ahead, the predicted wait is 1 / rate = 3.75 s, under 2 x 2 s, and the arrival is let in;
     served FIFO the same queue predicts 9 / rate and refuses it."""
     outcomes = {}
     for order in ("deadline", "fifo"):
@@ -120,3 +119,20 @@ def test_the_queued_tokens_bound_counts_prompts_waiting_in_admission() -> None:
     adm.admit(adm.engines[0])
     assert adm.queued_prompt_tokens == 0
 
+
+
+@pytest.mark.parametrize("retry_overload", [True, False])
+def test_overload_refusals_invite_a_retry_only_when_asked(retry_overload: bool) -> None:
+    """Off, the overload rules' refusals say not to retry; a full queue still invites one."""
+    adm = _admission(AdmissionConfig(max_num_queued_tokens=100, max_queue_len=1,
+                                     queue_ttl_s=1.0, retry_overload=retry_overload))
+    assert isinstance(adm.submit(_req(0, 0.0, prompt=10)), Queued)
+    full = adm.submit(_req(1, 0.1, prompt=10))
+    assert isinstance(full, Rejected) and full.reason == "queue_full" and full.retry
+    assert isinstance(adm.submit(_req(2, 0.2, prompt=100)), Queued)  # bucket 1: 110 tokens
+    by_tokens = adm.submit(_req(3, 0.3, prompt=200))
+    assert isinstance(by_tokens, Rejected) and by_tokens.reason == "queued_tokens"
+    assert by_tokens.retry is retry_overload
+    expired = adm.expire(5.0)
+    assert [(r.request_id, out.retry) for r, out in expired] == [(0, retry_overload),
+                                                                 (2, retry_overload)]

@@ -339,6 +339,26 @@ def test_openai_client_gets_503_after_the_queue_ttl(server: ApiServer, tmp_path:
 
 
 @pytest.mark.live
+def test_no_retry_overload_tells_the_openai_client_not_to_retry(server: ApiServer,
+                                                                tmp_path: Path) -> None:
+    # The same TTL expiry with --no-retry-overload: the 503 carries x-should-retry: false,
+    # which the client obeys: one attempt, one expiry.
+    async def run() -> None:
+        async with sidecar_of(server, tmp_path, "--controller", CAP_ONE, "--queue-timeout-s",
+                              "1", "--no-retry-overload") as (url, _), \
+                aiohttp.ClientSession() as s:
+            async with holder(s, url, server):
+                with pytest.raises(openai.InternalServerError) as caught:
+                    await asyncio.to_thread(openai_call, url)
+            err = caught.value
+            assert err.status_code == 503
+            assert err.response.headers["x-should-retry"] == "false"
+            assert (await outcomes(s, url))["expired_queue_ttl"] == 1
+
+    asyncio.run(run())
+
+
+@pytest.mark.live
 def test_every_request_answered_once_under_overload(server: ApiServer, tmp_path: Path) -> None:
     # Every rule on, 80 requests in bursts over about 3 s against two slots per bucket: each
     # gets one answer, 200 / 429 / 503, the refusals in the OpenAI shape with Retry-After, and

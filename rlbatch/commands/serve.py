@@ -53,7 +53,7 @@ UPSTREAM_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "capacity_rps",
 CONTROL_FLAGS = ("shadow", "shadow_pool", "tick_s", "window_s", "cold_start")
 ADMISSION_FLAGS = ("max_queue_len", "kv_reserve", "kv_reserve_quantile", "queue_timeout_s",
                    "reject_ttft_slack", "max_num_queued_tokens", "drain_window_s",
-                   "max_retry_after_s",
+                   "max_retry_after_s", "retry_overload",
                    "retry_after_s", "tokenizer", "max_model_len")
 SERVER_FLAGS = ("host", "port", "gpu_telemetry")
 

@@ -43,6 +43,9 @@ RejectReason = Literal["too_long", "queue_full", "unavailable", "queue_ttl", "pr
                        "queued_tokens"]
 REJECT_REASONS: tuple[RejectReason, ...] = ("too_long", "queue_full", "unavailable", "queue_ttl",
                                            "predicted_ttft", "queued_tokens")
+OVERLOAD_REASONS: frozenset[RejectReason] = frozenset(
+    ("predicted_ttft", "queued_tokens", "queue_ttl"))
+"""The refusals of the overload rules (:attr:`AdmissionConfig.retry_overload`)."""
 HTTP_STATUS: dict[RejectReason, int] = {
     "too_long": 400, "queue_full": 429, "predicted_ttft": 429, "queued_tokens": 429,
     "queue_ttl": 503, "unavailable": 503}
@@ -80,6 +83,7 @@ class AdmissionConfig:
     max_num_queued_tokens: int | None = None
     drain_window_s: float = 30.0
     max_retry_after_s: float | None = None
+    retry_overload: bool = True
 
     def __post_init__(self) -> None:
         if self.over_length not in ("reject", "truncate"):
@@ -140,11 +144,13 @@ class Rejected:
         (:attr:`AdmissionConfig.max_num_queued_tokens`).
     :param retry_after_s: when the client may come back (the predicted drain time of the
         requests ahead of it); ``None``: no advice.
+    :param retry: whether a retry is invited (:attr:`AdmissionConfig.retry_overload`).
     """
 
     bucket: int
     reason: RejectReason
     retry_after_s: float | None = None
+    retry: bool = True
 
     @property
     def status(self) -> int:
@@ -532,6 +538,18 @@ class Admission:
                                        wait, finish_s=now_s))
                 for request, bucket in expired]
 
+    def refuse_expired(self, request: Request, bucket: int, now_s: float) -> Rejected:
+        """Count and record as ``queue_ttl`` a request that waited out the TTL outside
+        admission's queues (the sidecar holds requests an engine-wide cap keeps from an
+        upstream, which vLLM would hold in its waiting queue).
+
+        :param request: the request.
+        :param bucket: its bucket.
+        :param now_s: the time.
+        """
+        return self._reject(request, bucket, "queue_ttl",
+                            self._advice(self.predicted_ttft_s(now_s)), finish_s=now_s)
+
     def _refuse_overload(self, request: Request, bucket: int) -> Rejected | None:
         """The queued-tokens bound, then the predicted-TTFT rejection, for an arrival."""
         config = self.config
@@ -679,7 +697,8 @@ class Admission:
             arrival_s=request.arrival_s, prompt_tokens=request.prompt_tokens, output_tokens=0,
             ttft_s=nan, tpot_s=nan, e2e_s=nan,
             finish_s=request.arrival_s if finish_s is None else finish_s, rejected=True))
-        return Rejected(bucket, reason, retry_after_s)
+        retry = self.config.retry_overload or reason not in OVERLOAD_REASONS
+        return Rejected(bucket, reason, retry_after_s, retry)
 
 
 def _load(engine: Engine) -> tuple[int, int]:

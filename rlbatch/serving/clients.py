@@ -10,7 +10,7 @@ simulator replays the profiles (:class:`ClientSession`, driven by
   a non-streamed request receives nothing until it completes), 2 retries, on 408, 409, 429,
   every 5xx and timeouts; the delay is the server's ``Retry-After`` when it lies in
   (0, 120] s (a longer one is not retried), else ``min(0.5 * 2**retries_taken, 8)`` s times
-  ``1 - 0.25 * U[0, 1)``.
+  ``1 - 0.25 * U[0, 1)``; a response with ``x-should-retry: false`` is not retried.
 * ``interactive``: a browser or gateway that gives up on a request without a first token
   after 20 s, and never retries.
 
@@ -53,6 +53,8 @@ class ClientProfile:
     :param max_retry_after_s: the longest ``Retry-After`` honoured (a longer one ends the
         request: not retried).
     :param jitter: the backoff delay is cut by up to this share, uniformly.
+    :param obeys_should_retry: a refusal that says not to retry (``x-should-retry: false``)
+        ends the request.
     """
 
     name: str
@@ -66,6 +68,7 @@ class ClientProfile:
     max_retry_delay_s: float = 8.0
     max_retry_after_s: float = 120.0
     jitter: float = 0.25
+    obeys_should_retry: bool = False
 
     def __post_init__(self) -> None:
         for name in ("first_token_patience_s", "attempt_timeout_s"):
@@ -82,13 +85,17 @@ class ClientProfile:
         """The client may cancel a request it sent."""
         return self.first_token_patience_s is not None or self.attempt_timeout_s is not None
 
-    def retries_status(self, status: int, retry_after_s: float | None) -> bool:
+    def retries_status(self, status: int, retry_after_s: float | None,
+                       should_retry: bool = True) -> bool:
         """Whether a refusal with ``status`` (and ``Retry-After``) is retried, retries
         left aside.
 
         :param status: the HTTP status.
         :param retry_after_s: the server's advice; ``None``: none.
+        :param should_retry: the server's ``x-should-retry`` (``False``: do not).
         """
+        if not should_retry and self.obeys_should_retry:
+            return False
         if retry_after_s is not None and retry_after_s > self.max_retry_after_s:
             return False
         return status in self.retry_statuses or (self.retry_server_errors and status >= 500)
@@ -110,7 +117,7 @@ class ClientProfile:
 PROFILES: dict[str, ClientProfile] = {p.name: p for p in (
     ClientProfile("patient"),
     ClientProfile("sdk", attempt_timeout_s=600.0, max_retries=2, retry_statuses=(408, 409, 429),
-                  retry_server_errors=True, retry_on_timeout=True),
+                  retry_server_errors=True, retry_on_timeout=True, obeys_should_retry=True),
     ClientProfile("interactive", first_token_patience_s=20.0),
 )}
 """The named profiles (module docstring)."""
@@ -303,7 +310,8 @@ class ClientSession:
         entry = self.originals[self.attempt_of[request.request_id]]
         profile = entry.profile
         if (entry.retries < profile.max_retries
-                and profile.retries_status(outcome.status, outcome.retry_after_s)):
+                and profile.retries_status(outcome.status, outcome.retry_after_s,
+                                           outcome.retry)):
             self._retry(entry, now_s + profile.retry_delay_s(entry.retries,
                                                              outcome.retry_after_s, self.rng))
             return

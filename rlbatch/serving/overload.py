@@ -40,7 +40,6 @@ class DrainRate:
             raise ValueError(f"window_s must be > 0 and finite, got {window_s}")
         self.window_s = window_s
         self._times: deque[float] = deque()
-        self._first_s = math.inf
 
     def note(self, finish_times_s: Iterable[float]) -> None:
         """Count completions (their finish times, in any order within one call).
@@ -49,17 +48,16 @@ class DrainRate:
         """
         times = self._times
         for t in sorted(finish_times_s):
-            self._first_s = min(self._first_s, t)
             if not times or t >= times[-1]:
                 times.append(t)
             else:  # a late report of an earlier finish: keep the window ordered
                 times.insert(_insert_at(times, t), t)
 
     def rate(self, now_s: float) -> float | None:
-        """Completions per second over ``(now_s - window_s, now_s]`` (over the time since the
-        first completion, while that is shorter: a deployment that just started has not had a
-        whole window to drain in); ``None`` while fewer than :data:`MIN_COMPLETIONS` fall
-        in it.
+        """Completions per second over ``(now_s - window_s, now_s]``; ``None`` while fewer
+        than :data:`MIN_COMPLETIONS` fall in it. Within a window of a cold start the rate is
+        underestimated (the deployment has not had a whole window to drain in), so the
+        prediction errs toward refusing.
 
         :param now_s: the time.
         """
@@ -70,13 +68,12 @@ class DrainRate:
         count = len(times) - _after(times, now_s)
         if count < MIN_COMPLETIONS:
             return None
-        return count / max(min(self.window_s, now_s - self._first_s), 1e-9)
+        return count / self.window_s
 
     def copy(self) -> DrainRate:
         """An independent copy (a forked deployment's)."""
         new = DrainRate(self.window_s)
         new._times = deque(self._times)
-        new._first_s = self._first_s
         return new
 
 

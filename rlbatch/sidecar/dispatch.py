@@ -214,12 +214,12 @@ class Dispatcher:
         ttl = adm.config.queue_ttl_s
         if ttl is None:
             return 0
-        expired: list[Ticket] = []
-        for request, _ in adm.expire(now_s):
+        expired: list[tuple[Ticket, Rejected]] = []
+        for request, refusal in adm.expire(now_s):
             adm.forget(request.request_id)
             ticket = self.tickets.pop(request.request_id, None)
             if ticket is not None:
-                expired.append(ticket)
+                expired.append((ticket, refusal))
         cutoff = now_s - ttl
         for upstream in self.upstreams:
             for ticket in upstream.waiting_tickets():
@@ -227,13 +227,13 @@ class Dispatcher:
                     upstream.release(ticket)
                     adm.forget(ticket.request.request_id)
                     self.tickets.pop(ticket.request.request_id, None)
-                    expired.append(ticket)
+                    expired.append((ticket, adm.refuse_expired(ticket.request, ticket.bucket,
+                                                               now_s)))
         if not expired:
             return 0
-        advice = adm.predicted_ttft_s(now_s)  # the wait of the ones left, as admission's
-        for ticket in expired:
+        for ticket, refusal in expired:
             ticket.state = DONE
-            ticket.refusal = Rejected(ticket.bucket, "queue_ttl", advice)
+            ticket.refusal = refusal
             if not ticket.future.done():
                 ticket.future.set_result(None)
         self.admit_all()  # a ticket leaving an upstream's FIFO frees room under its caps

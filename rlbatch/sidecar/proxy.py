@@ -260,9 +260,12 @@ class CompletionProxy:
             return over_policy(parsed, req.prompt_tokens, req.max_output_tokens,
                                sc.max_model_len, sc.over_length)
         status = refused.status
+        headers = retry_headers(refused.retry_after_s, sc.settings.retry_after_s)
+        if not refused.retry:
+            # the openai client obeys it; others read Retry-After
+            headers["x-should-retry"] = "false"
         return json_error(status, self._refusal_message(refused), ERROR_TYPES[status],
-                          headers=retry_headers(refused.retry_after_s,
-                                                sc.settings.retry_after_s))
+                          headers=headers)
 
     def _refusal_message(self, refused: Rejected) -> str:
         """Why a request was refused, in words (naming the option that set the bound)."""

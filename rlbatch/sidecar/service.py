@@ -96,7 +96,8 @@ class Sidecar:
                                               max_num_queued_tokens=(
                                                   settings.max_num_queued_tokens),
                                               drain_window_s=settings.drain_window_s,
-                                              max_retry_after_s=settings.max_retry_after_s))
+                                              max_retry_after_s=settings.max_retry_after_s,
+                                              retry_overload=settings.retry_overload))
         self.metrics = SidecarMetrics(self.bucket_names, self.pools,
                                       tuple(u.name for u in self.upstreams), self.control_state,
                                       settings.sla)

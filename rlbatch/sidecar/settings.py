@@ -87,6 +87,9 @@ class SidecarSettings:
         predicted TTFT divides by, is measured.
     :param max_retry_after_s: the longest ``Retry-After`` an overload refusal gives (the
         predicted drain time otherwise; admission's ``max_retry_after_s``); ``None``: no cap.
+    :param retry_overload: overload refusals (predicted TTFT, queued tokens, queue TTL)
+        invite a retry; off, they carry ``x-should-retry: false``, which the ``openai``
+        client obeys (admission's ``retry_overload``).
     :param retry_after_s: the ``Retry-After`` value (seconds) of a refusal without a
         predicted drain time (a 429 or 503 whose wait cannot be predicted yet).
     :param tokenizer: how prompt length is counted: ``auto`` (a local tokenizer when the
@@ -201,6 +204,7 @@ class SidecarSettings:
     max_num_queued_tokens: int | None = None
     drain_window_s: float = 30.0
     max_retry_after_s: float | None = None
+    retry_overload: bool = True
     retry_after_s: int = 1
     tokenizer: str = "auto"
     approx_bytes_per_token: float = 4.0
