@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import signal
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from hypothesis import strategies as st
 
@@ -14,7 +14,7 @@ from rlbatch.control.types import ControlAction, DeploymentStats, WindowStats
 from rlbatch.engine.config import EngineConfig
 from rlbatch.engine.reserve import KvReserveMode
 from rlbatch.engine.sim import SimEngine
-from rlbatch.engine.stats import EngineStats, FinishedRequest
+from rlbatch.engine.stats import AbortedRequest, EngineStats, FinishedRequest
 from rlbatch.profiles import StepTimeModel
 from rlbatch.request import Request
 
@@ -153,30 +153,40 @@ def stop_child(proc: subprocess.Popen[bytes]) -> None:
 
 
 def replay(eng: SimEngine, arrivals: list[tuple[Request, int, int, bool]], caps: list[int], *,
-           call: str, tick_s: float = 0.25) -> list[EngineStats]:
+           call: str, tick_s: float = 0.25, aborts: Sequence[tuple[float, int, bool]] = (),
+           aborted: list[AbortedRequest | None] | None = None) -> list[EngineStats]:
     """Replay arrivals ``(request, bucket, kept tokens, truncated)`` on ``eng`` as the
-    deployment does: at each boundary the arrivals due are added, then one ``call`` (``step``
-    or ``advance``) runs to the next arrival or tick, invariants checked after it; a snapshot
-    at every tick, after which the tick's cap is set.
+    deployment does: at each boundary the arrivals due are added, then the aborts
+    ``(time, request id, before_first_token)`` due are made (their returns appended to
+    ``aborted``), then one ``call`` (``step`` or ``advance``) runs to the next arrival, abort
+    or tick, invariants checked after each; a snapshot at every tick, after which the tick's
+    cap is set.
     """
     run = getattr(eng, call)
     snaps = []
-    idx = 0
+    idx = j = 0
     for tick, cap in enumerate(caps, start=1):
         t_stop = tick * tick_s
         while eng.now_s < t_stop:
             while idx < len(arrivals) and arrivals[idx][0].arrival_s <= eng.now_s:
                 eng.add_request(*arrivals[idx])
                 idx += 1
-            bound = min(arrivals[idx][0].arrival_s if idx < len(arrivals) else t_stop, t_stop)
+            while j < len(aborts) and aborts[j][0] <= eng.now_s:
+                returned = eng.abort(aborts[j][1], before_first_token=aborts[j][2])
+                if aborted is not None:
+                    aborted.append(returned)
+                eng.check_invariants()
+                j += 1
+            bound = min(arrivals[idx][0].arrival_s if idx < len(arrivals) else t_stop,
+                        aborts[j][0] if j < len(aborts) else t_stop, t_stop)
             if eng.is_idle():
                 eng.advance_idle(bound)
             else:
                 run(bound)
-                eng.check_invariants()
+            eng.check_invariants()
         snaps.append(eng.snapshot())
         eng.set_max_num_seqs(cap)
-        if idx == len(arrivals) and eng.is_idle():
+        if idx == len(arrivals) and j == len(aborts) and eng.is_idle():
             break
     return snaps
 

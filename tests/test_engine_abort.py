@@ -22,7 +22,7 @@ from rlbatch.engine.sim import SimEngine
 from rlbatch.engine.sim_seq import SimSeq
 from rlbatch.engine.stats import AbortedRequest, EngineStats
 from rlbatch.request import Request
-from tests.factories import ConstantStep
+from tests.factories import ConstantStep, replay
 from tests.test_prefix_skipping import MAX_MODEL_LEN, _host_tier
 from tests.test_prefix_skipping import _case as _prefix_case
 from tests.test_sim_lane import LinearStep
@@ -365,40 +365,6 @@ def _aborts(seed: int, requests: list[Request],
     return sorted(out)
 
 
-def _replay_with_aborts(eng: SimEngine, arrivals: list[tuple[Request, int, int, bool]],
-                        aborts: list[tuple[float, int, bool]], caps: list[int], *, call: str,
-                        tick_s: float = 0.25) -> tuple[list[EngineStats],
-                                                       list[AbortedRequest | None]]:
-    """tests/factories.replay with aborts: each call runs to the next arrival, abort or
-    tick; at a boundary the arrivals due are added, then the aborts due are made."""
-    run = getattr(eng, call)
-    snaps: list[EngineStats] = []
-    returned: list[AbortedRequest | None] = []
-    idx = j = 0
-    for tick, cap in enumerate(caps, start=1):
-        t_stop = tick * tick_s
-        while eng.now_s < t_stop:
-            while idx < len(arrivals) and arrivals[idx][0].arrival_s <= eng.now_s:
-                eng.add_request(*arrivals[idx])
-                idx += 1
-            while j < len(aborts) and aborts[j][0] <= eng.now_s:
-                returned.append(eng.abort(aborts[j][1], before_first_token=aborts[j][2]))
-                eng.check_invariants()
-                j += 1
-            bound = min(arrivals[idx][0].arrival_s if idx < len(arrivals) else t_stop,
-                        aborts[j][0] if j < len(aborts) else t_stop, t_stop)
-            if eng.is_idle():
-                eng.advance_idle(bound)
-            else:
-                run(bound)
-            eng.check_invariants()
-        snaps.append(eng.snapshot())
-        eng.set_max_num_seqs(cap)
-        if idx == len(arrivals) and j == len(aborts) and eng.is_idle():
-            break
-    return snaps, returned
-
-
 def _drive(seed: int, host: bool, skipping: bool, call: str,
            aborts: list[tuple[float, int, bool]] | None = None,
            ) -> tuple[list[EngineStats], list[AbortedRequest | None], _LoadLog]:
@@ -416,7 +382,8 @@ def _drive(seed: int, host: bool, skipping: bool, call: str,
                    max_model_len=MAX_MODEL_LEN, gpu_memory_total_bytes=1 << 30,
                    num_buckets=4, event_skipping=skipping, host_link=link)
     arrivals = [(r, min(kept // 500, 3), kept, kept < r.prompt_tokens) for r, kept in requests]
-    snaps, returned = _replay_with_aborts(eng, arrivals, aborts, caps, call=call)
+    returned: list[AbortedRequest | None] = []
+    snaps = replay(eng, arrivals, caps, call=call, aborts=aborts, aborted=returned)
     return snaps, returned, eng
 
 
