@@ -28,7 +28,7 @@ from rlbatch.control.discipline import AdmissionDiscipline
 from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats
 from rlbatch.engine.base import Engine
 from rlbatch.engine.telemetry import MemoryTelemetry
-from rlbatch.serving.admission import Admission, AdmissionConfig
+from rlbatch.serving.admission import Admission
 from rlbatch.sidecar.control_tick import (
     ControllerBuilder,
     SidecarControl,
@@ -86,18 +86,10 @@ class Sidecar:
         self.over_length: str = settings.over_length or "vllm"
         self._max_model_len = settings.max_model_len or guard.max_seq_len
         engines: list[Engine] = [*self.upstreams]
-        admission_policy = "reject" if self.over_length == "vllm" else self.over_length
         # the overload rules are admission's, as in the simulator: the sidecar's queue
         # timeout is the queue TTL
         admission = Admission(engines, self.buckets, self._max_model_len or NO_LIMIT,
-                              AdmissionConfig(admission_policy, settings.max_queue_len,
-                                              queue_ttl_s=settings.queue_timeout_s,
-                                              reject_ttft_slack=settings.reject_ttft_slack,
-                                              max_num_queued_tokens=(
-                                                  settings.max_num_queued_tokens),
-                                              drain_window_s=settings.drain_window_s,
-                                              max_retry_after_s=settings.max_retry_after_s,
-                                              retry_overload=settings.retry_overload))
+                              settings.admission_config())
         self.metrics = SidecarMetrics(self.bucket_names, self.pools,
                                       tuple(u.name for u in self.upstreams), self.control_state,
                                       settings.sla)

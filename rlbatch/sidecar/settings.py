@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 from rlbatch.buckets import Buckets
 from rlbatch.control.types import SLA
 from rlbatch.engine.reserve import check_kv_reserve
+from rlbatch.serving.admission import AdmissionConfig
 
 POOL_ORDER: tuple[str, ...] = ("fp16", "fp8")
 """Known pools in their canonical order (the order a policy artifact lists them in)."""
@@ -317,25 +318,30 @@ class SidecarSettings:
                              f"{list(self.pools)}")
 
     def _check_overload(self) -> None:
-        """The queue TTL and the two rules that refuse at arrival."""
-        for name in ("queue_timeout_s", "drain_window_s"):
-            value = getattr(self, name)
-            if not (value > 0 and math.isfinite(value)):
-                raise ValueError(f"{name} must be > 0 and finite, got {value}")
+        """The queue TTL (required here) and the rules that refuse at arrival, which
+        admission validates (:meth:`admission_config`)."""
+        if not (self.queue_timeout_s > 0 and math.isfinite(self.queue_timeout_s)):
+            raise ValueError(f"queue_timeout_s must be > 0 and finite, got "
+                             f"{self.queue_timeout_s}")
         slack = self.reject_ttft_slack
-        if slack is not None:
-            if not (slack > 0 and math.isfinite(slack)):
-                raise ValueError(f"reject_ttft_slack must be > 0 and finite or None, got "
-                                 f"{slack}")
-            if not math.isfinite(self.sla.ttft_s):
-                raise ValueError(f"reject_ttft_slack ({slack}) needs a finite SLA TTFT "
-                                 f"(--sla-ttft-s), got {self.sla.ttft_s}")
-        if self.max_num_queued_tokens is not None and self.max_num_queued_tokens < 1:
-            raise ValueError(f"max_num_queued_tokens must be >= 1 or None, got "
-                             f"{self.max_num_queued_tokens}")
-        cap = self.max_retry_after_s
-        if cap is not None and not (cap > 0 and math.isfinite(cap)):
-            raise ValueError(f"max_retry_after_s must be > 0 and finite or None, got {cap}")
+        if slack is not None and not math.isfinite(self.sla.ttft_s):
+            raise ValueError(f"reject_ttft_slack ({slack}) needs a finite SLA TTFT "
+                             f"(--sla-ttft-s), got {self.sla.ttft_s}")
+        self.admission_config()
+
+    def admission_config(self) -> AdmissionConfig:
+        """Admission's settings: the over-length rule (vLLM's own is admission's
+        ``reject``), the queue bound and the overload rules (the queue timeout is the queue
+        TTL).
+
+        :raises ValueError: a value admission refuses.
+        """
+        return AdmissionConfig(
+            "truncate" if self.over_length == "truncate" else "reject", self.max_queue_len,
+            queue_ttl_s=self.queue_timeout_s, reject_ttft_slack=self.reject_ttft_slack,
+            max_num_queued_tokens=self.max_num_queued_tokens,
+            drain_window_s=self.drain_window_s, max_retry_after_s=self.max_retry_after_s,
+            retry_overload=self.retry_overload)
 
     @property
     def pools(self) -> tuple[str, ...]:
