@@ -454,11 +454,13 @@ class Admission:
             admitted += 1
 
     def note_finished(self, finish_times_s: Iterable[float]) -> None:
-        """Count completions for the drain rate (:mod:`rlbatch.serving.overload`).
+        """Count completions for the drain rate (:mod:`rlbatch.serving.overload`), which only
+        the overload rules read: without one nothing is kept.
 
         :param finish_times_s: when each request finished.
         """
-        self.drain.note(finish_times_s)
+        if self.config.sheds:
+            self.drain.note(finish_times_s)
 
     def waiting_ahead(self, now_s: float) -> int:
         """Requests still waiting to start that an arrival at ``now_s`` would be served

@@ -185,7 +185,7 @@ class _Original:
     profile: ClientProfile
     retries: int = 0
     attempt_id: int = -1
-    outcome: str = "open"  # open, served, rejected, abandoned
+    outcome: str = "open"  # open (waiting, served or unfinished), rejected, abandoned
     reason: str = ""
     end_s: float = math.nan
 
@@ -355,7 +355,6 @@ class ClientSession:
                 if entry.outcome == "rejected" and entry.attempt_id == rec.request_id:
                     out.append(_as_user(rec, entry.request, rec.finish_s))
                 continue
-            entry.outcome, entry.end_s = "served", rec.arrival_s + rec.ttft_s
             out.append(_as_user(rec, entry.request, rec.finish_s))
         return out
 

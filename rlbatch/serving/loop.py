@@ -166,7 +166,7 @@ class ControlLoop:
                 if keep:
                     self.records.extend(es.finished)
                 self.window.add(es.finished)
-                admission.note_finished([r.finish_s for r in es.finished])
+                admission.note_finished(r.finish_s for r in es.finished)
         rejected_records = admission.take_rejected()
         if keep and rejected_records:
             self.records.extend(rejected_records)
