@@ -11,11 +11,13 @@ import pytest
 
 from rlbatch.control.controllers import make_controller
 from rlbatch.control.types import SLA
+from rlbatch.paths import traces_dir
 from rlbatch.request import Request
 from rlbatch.serving.admission import AdmissionConfig, Rejected
 from rlbatch.serving.clients import PROFILES, ClientMix, ClientSession
 from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.serving.run import run
+from rlbatch.workload import load_trace
 from rlbatch.workload.spec import resolve_workload
 
 SURGE = "surge:rate=3.4,duration=240,mix=chat,start=60,length=60"
@@ -117,6 +119,26 @@ def test_clients_give_the_same_run_stepping_or_skipping(clients: str) -> None:
         for key in ("wall_seconds", "speedup_x"):
             a.pop(key), b.pop(key)
         assert a == b
+
+
+def test_long_prompts_with_prefixes_give_the_same_run_stepping_or_skipping() -> None:
+    """Mooncake's long prompts with shared prefixes on a long-context deployment: the
+    predicted TTFT reads each engine's prefix cache and running prefills at every arrival,
+    and refuses; reading must not change the run."""
+    rows = []
+    for skipping in (True, False):
+        workload = load_trace(str(traces_dir() / "mooncake_synthetic.jsonl"), max_requests=300)
+        spec = DeploymentSpec(gpu="a100-80g", model="llama-3.1-8b",
+                              clients="interactive:0.5,sdk:0.5", event_skipping=skipping,
+                              sla=SLA(2.0, 0.1),
+                              admission=AdmissionConfig(over_length="truncate",
+                                                        reject_ttft_slack=0.5, queue_ttl_s=5.0))
+        row = run(workload, make_controller("fixed:256[order=deadline]"), spec).row
+        for key in ("wall_seconds", "speedup_x"):
+            row.pop(key)
+        rows.append(row)
+    assert rows[0] == rows[1]
+    assert rows[0]["rejected_at_arrival"] > 0 and rows[0]["prefix_cache_hits"] > 0
 
 
 def test_the_clients_seed_draws_the_mix() -> None:

@@ -90,6 +90,50 @@ def test_a_predicted_ttft_past_the_sla_is_refused_with_the_drain_time() -> None:
     assert adm.refusals["predicted_ttft"] == [1, 0, 0]
 
 
+def test_an_arrival_whose_own_prefill_misses_the_ttft_is_refused_on_an_idle_deployment(
+        ) -> None:
+    """10-ms iterations of 256 tokens: a 300-token prompt takes two (20 ms) on an idle engine,
+    over 1 x 15 ms, and is refused before any drain rate is known (no Retry-After: no wait is
+    predicted); a 10-token one takes one and is queued. The wait and the own prefill add up:
+    with 8 completions in the window and one request ahead the 10-token arrival is refused at
+    a TTFT the wait alone fits under."""
+    adm = _admission(AdmissionConfig(reject_ttft_slack=1.0), ttft_s=0.015)
+    engine = adm.engines[0]
+    assert engine.prefill_time_s(_req(0, 0.0, prompt=300), 300).alone_s == pytest.approx(0.02)
+    out = adm.submit(_req(0, 0.0, prompt=300))
+    assert isinstance(out, Rejected) and out.reason == "predicted_ttft"
+    # late even on an empty deployment: no Retry-After, and no retry whatever retry_overload
+    assert out.retry_after_s is None and out.status == 429 and out.retry is False
+    assert isinstance(adm.submit(_req(1, 0.0, prompt=10)), Queued)
+    rate = MIN_COMPLETIONS / 30.0
+    adm.note_finished([float(t) for t in range(1, 1 + MIN_COMPLETIONS)])
+    wait = adm.predicted_ttft_s(10.0)
+    assert wait == pytest.approx(1 / rate)
+    for ttft_s, refused in ((wait + 0.005, True), (wait + 0.015, False)):
+        adm.configure(AdmissionDiscipline("fifo", None), ttft_s)
+        out = adm.submit(_req(2, 10.0, prompt=10))
+        assert isinstance(out, Rejected) is refused
+        if isinstance(out, Rejected):  # the wait made it late: it may come back after it
+            assert out.retry is True and out.retry_after_s == pytest.approx(wait)
+        else:
+            assert adm.cancel(2)
+
+
+@pytest.mark.parametrize(("slack", "ttft_s", "refused"), [
+    (0.5, 0.03, False),  # 20 ms of own prefill: over 0.5 x 30 ms, within the 30 ms itself
+    (0.5, 0.019, True),
+    (2.0, 0.011, False),  # a slack over 1 widens the floor's bound too: 20 ms <= 22 ms
+    (2.0, 0.009, True)])
+def test_the_own_prefill_is_held_to_the_ttft_not_to_a_slack_under_one(
+        slack: float, ttft_s: float, refused: bool) -> None:
+    """On an idle deployment (nothing waits) a 300-token prompt's two 10-ms chunks are
+    compared with the TTFT, times the slack only if it is over 1; a slack under 1 bounds the
+    predicted wait alone."""
+    adm = _admission(AdmissionConfig(reject_ttft_slack=slack), ttft_s=ttft_s)
+    out = adm.submit(_req(0, 0.0, prompt=300))
+    assert isinstance(out, Rejected) is refused
+
+
 def test_deadline_order_counts_only_the_on_time_requests_ahead() -> None:
     """Under deadline order late requests go after an arrival: with 8 late and 1 on time
     ahead, the predicted wait is 1 / rate = 3.75 s, under 2 x 2 s, and the arrival is let in;

@@ -6,11 +6,23 @@ control loop, the env and the evaluation never know which one runs.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from rlbatch.engine.reserve import KvCommitMode
 from rlbatch.engine.stats import AbortedRequest, EngineStats
 from rlbatch.request import Request
+
+
+class PrefillTime(NamedTuple):
+    """How long an arrival's own prefill takes on an engine, from the engine's step-time
+    model (:meth:`Engine.prefill_time_s`); both are floors: decodes and overheads are left
+    out."""
+
+    alone_s: float
+    """On the engine with nothing else running: its prompt minus the prefix the engine's
+    caches hold, in chunks of the token budget."""
+    now_s: float
+    """After the prefills already running on it, which the scheduler serves first."""
 
 
 class Engine(Protocol):
@@ -110,6 +122,18 @@ class Engine(Protocol):
         :returns: what it had cost; ``None`` when the engine does not hold it (finished
             already, never added) or, with ``before_first_token``, when it already produced
             its first token.
+        """
+        ...
+
+    def prefill_time_s(self, request: Request, prompt_tokens: int) -> PrefillTime | None:
+        """How long ``request`` would take from its first scheduled chunk to its first token
+        on this engine (:class:`PrefillTime`: alone, and behind the prefills running now;
+        :meth:`~rlbatch.profiles.step_time.StepTimeModel.prefill_time_s`). Admission's
+        predicted TTFT adds it to the predicted wait. Reads, changes nothing.
+
+        :param request: an arrival.
+        :param prompt_tokens: its prompt as the engine would take it (truncated or whole).
+        :returns: ``None`` when the engine has no latency model (a live one).
         """
         ...
 

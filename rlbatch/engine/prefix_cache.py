@@ -248,19 +248,62 @@ class PrefixCache:
         :param free: the engine's free blocks now.
         """
         self.sync(free)
+        return self._hit(layout, max_blocks, {})
+
+    def peek(self, layout: Layout, max_blocks: int, free: int) -> int:
+        """What :meth:`lookup` would return, changing nothing: the evictions :meth:`sync`
+        would make first are counted, not made (for estimates between iterations).
+
+        :param layout: its groups.
+        :param max_blocks: ``(num_tokens - 1) // block_size`` or fewer.
+        :param free: the engine's free blocks now.
+        """
+        return self._hit(layout, max_blocks, self._pending_evictions(free))
+
+    def _hit(self, layout: Layout, max_blocks: int, evicted: dict[int, int]) -> int:
+        """The first blocks of ``layout`` present, at most ``max_blocks``, with ``evicted``
+        blocks (group key -> count) taken off the groups' tops."""
         groups = self._groups
         hit = 0
         for key, size in zip(layout[0], layout[1], strict=True):
             group = groups.get(key)
             if group is None:
                 break
-            if group.present < size:
-                hit += group.present
+            present = group.present - evicted.get(key, 0) if evicted else group.present
+            if present < size:
+                hit += present
                 break
             hit += size
             if hit >= max_blocks:
                 break
         return hit if hit < max_blocks else max_blocks
+
+    def _pending_evictions(self, free: int) -> dict[int, int]:
+        """The cached blocks per group (key -> count) :meth:`sync` would evict with ``free``
+        free blocks, walking the queue as it does without changing it."""
+        pending = self._queued - free
+        if pending <= 0 or not self.free_cached:
+            return {}
+        groups = self._groups
+        evicted: dict[int, int] = {}
+        gone: dict[int, int] = {}  # a group's leading intervals wholly evicted in this walk
+        for entry, value in self._queue.items():
+            if entry < 0:  # a run without a hash
+                pending -= value
+            else:
+                group = groups.get(value)
+                k = gone.get(value, 0)
+                if group is None or len(group.intervals) <= k or group.intervals[k][0] != entry:
+                    continue  # stale: its blocks were taken back
+                _, low, high = group.intervals[k]
+                n = high - low if high - low < pending else pending
+                evicted[value] = evicted.get(value, 0) + n
+                pending -= n
+                if n == high - low:
+                    gone[value] = k + 1
+            if pending <= 0:
+                break
+        return evicted
 
     def evictable(self, layout: Layout, hit: int) -> int:
         """Blocks among the first ``hit`` no running request holds (taking them uses free

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from operator import sub
 
+from rlbatch.engine.base import PrefillTime
 from rlbatch.engine.config import EngineConfig
 from rlbatch.engine.decode_lane import DecodeLane
 from rlbatch.engine.fork import fork_state
@@ -228,6 +229,17 @@ class SimEngine(SimScheduler):
         self._unfinished[bucket] += 1
         self._committed_tokens += seq.committed
         self._kv_version += 1
+
+    def prefill_time_s(self, request: Request, prompt_tokens: int) -> PrefillTime:
+        model, budget = self.step_model, self._budget
+        alone = model.prefill_time_s(prompt_tokens,
+                                     self.cached_prompt_tokens(request, prompt_tokens), budget)
+        ahead = 0.0
+        for seq in self._running:  # scheduled before any newcomer, their chunks first
+            total = seq.prompt_len + seq.num_output
+            if total - seq.num_computed > 1 or seq.num_computed == 0:  # not decoding
+                ahead += model.prefill_time_s(total, seq.num_computed, budget)
+        return PrefillTime(alone, ahead + alone)
 
     def abort(self, request_id: int, *,
               before_first_token: bool = False) -> AbortedRequest | None:

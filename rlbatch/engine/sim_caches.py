@@ -31,6 +31,7 @@ from rlbatch.engine.config import EngineConfig
 from rlbatch.engine.host_tier import HostLink, HostTier, host_capacity_blocks
 from rlbatch.engine.prefix_cache import Layout, PrefixCache, prefix_layout
 from rlbatch.engine.sim_seq import SimSeq
+from rlbatch.request import Request
 
 
 class CacheScheduler:
@@ -113,6 +114,28 @@ class CacheScheduler:
         if host is not None and seq.host_done < hit:
             self._offer(seq, layout, seq.host_done, hit)  # its GPU hit, where the host lacks it
         return n, free - need
+
+    def cached_prompt_tokens(self, request: Request, prompt_tokens: int) -> int:
+        """Prompt tokens of an arrival this engine would find computed if it were scheduled
+        now: its prefix in the GPU cache, then in the host tier (copied in, not computed).
+        Reads, changes nothing (:meth:`~rlbatch.engine.prefix_cache.PrefixCache.peek`: the
+        evictions the allocations since the cache's last update will make are counted).
+
+        :param request: the arrival (with prefix information, else nothing is cached).
+        :param prompt_tokens: its prompt as the engine would take it.
+        """
+        cache = self._cache
+        ids = request.prefix_ids
+        if cache is None or not ids or prompt_tokens < 2:
+            return 0
+        block = self._block_size
+        layout = prefix_layout(ids, request.prompt_tokens, prompt_tokens, block)
+        max_blocks = (prompt_tokens - 1) // block
+        hit = cache.peek(layout, max_blocks, self._free_blocks)
+        host = self._host
+        if host is not None and hit < max_blocks:
+            hit += host.lookup(layout, hit, max_blocks)
+        return hit * block
 
     # ----------------------------------------------------------------- host tier
     def _start_load(self, seq: SimSeq, layout: Layout, hit: int, loaded: int,

@@ -92,6 +92,30 @@ class StepTimeModel(ABC):
         has none, its fixed per-iteration overhead is part of the step)."""
         return None
 
+    def prefill_time_s(self, prompt_tokens: int, cached_tokens: int,
+                       max_num_batched_tokens: int) -> float:
+        """Seconds from a request's first scheduled chunk to its first token on an idle
+        engine: its prompt after the ``cached_tokens`` already held, in chunks of the token
+        budget, nothing else in the iterations (the least it can take: a busy engine shares
+        each iteration with decodes and other prefills, and adds its overheads).
+
+        :param prompt_tokens: its prompt.
+        :param cached_tokens: of those, already computed (a prefix-cache hit).
+        :param max_num_batched_tokens: the engine's token budget per iteration.
+        :raises ValueError: a budget under 1.
+        """
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        # vLLM computes at least the last prompt token even on a full hit (its logits give
+        # the first output token)
+        done = min(max(cached_tokens, 0), prompt_tokens - 1)
+        total = 0.0
+        while done < prompt_tokens:
+            n = min(max_num_batched_tokens, prompt_tokens - done)
+            total += self.step_time_s(n, n * (done + (n + 1) / 2), 0, 0)
+            done += n
+        return total
+
 
 @dataclass(frozen=True, slots=True)
 class _Gemm:

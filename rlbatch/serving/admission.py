@@ -29,7 +29,7 @@ from typing import Literal
 from rlbatch.buckets import Buckets
 from rlbatch.control.discipline import PLAIN, AdmissionDiscipline
 from rlbatch.control.types import ANY_POOL, ControlAction
-from rlbatch.engine.base import Engine
+from rlbatch.engine.base import Engine, PrefillTime
 from rlbatch.engine.fork import fork_state
 from rlbatch.engine.reserve import KvCommitMode
 from rlbatch.engine.stats import FinishedRequest
@@ -67,8 +67,10 @@ class AdmissionConfig:
     :param queue_ttl_s: a request that has waited this long in an admission queue without
         starting is expired (answered 503, as llm-d's flow control does); ``None`` = never.
     :param reject_ttft_slack: refuse an arrival (429 with a ``Retry-After``) when its
-        predicted TTFT, in the order it will be served, exceeds the SLA's TTFT times this
-        (:mod:`rlbatch.serving.overload`); ``None`` = never.
+        predicted wait to start, in the order it will be served, exceeds the SLA's TTFT
+        times this, or when that wait plus its own prefill (where the engines know it)
+        exceeds the TTFT (times this, if over 1) (:mod:`rlbatch.serving.overload`);
+        ``None`` = never.
     :param max_num_queued_tokens: vLLM's ``--max-num-queued-tokens``: refuse an arrival
         while the prompt tokens of the requests still waiting to start reach this bound
         (429 here; vLLM answers 503); ``None`` = no bound.
@@ -315,7 +317,7 @@ class Admission:
                 return self._reject(request, bucket, "too_long")
             prompt, truncated = room, True
         if self._sheds_at_arrival:
-            refused = self._refuse_overload(request, bucket)
+            refused = self._refuse_overload(request, bucket, prompt)
             if refused is not None:
                 return refused
         bound = self.config.max_queue_len
@@ -552,8 +554,9 @@ class Admission:
         return self._reject(request, bucket, "queue_ttl",
                             self._advice(self.predicted_ttft_s(now_s)), finish_s=now_s)
 
-    def _refuse_overload(self, request: Request, bucket: int) -> Rejected | None:
-        """The queued-tokens bound, then the predicted-TTFT rejection, for an arrival."""
+    def _refuse_overload(self, request: Request, bucket: int, prompt: int) -> Rejected | None:
+        """The queued-tokens bound, then the predicted-TTFT rejection, for an arrival whose
+        prompt the engines would take as ``prompt`` tokens."""
         config = self.config
         now = request.arrival_s
         bound = config.max_num_queued_tokens
@@ -563,9 +566,38 @@ class Admission:
         slack = config.reject_ttft_slack
         if slack is not None and math.isfinite(self.sla_ttft_s):
             wait = self.predicted_ttft_s(now)
-            if wait is not None and wait > slack * self.sla_ttft_s:
+            ttft = self.sla_ttft_s
+            if wait is not None and wait > slack * ttft:
+                return self._reject(request, bucket, "predicted_ttft", self._advice(wait))
+            # its own prefill is a floor, not an estimate: compared with the TTFT itself, so
+            # that a slack under 1 sheds by the wait, not by the prompt's length
+            own = self.prefill_time_s(request, bucket, prompt)
+            late_s = max(slack, 1.0) * ttft
+            if own is not None and (wait or 0.0) + own.now_s > late_s:
+                if own.alone_s > late_s:  # late even on an empty deployment: coming back
+                    # cannot help
+                    return self._reject(request, bucket, "predicted_ttft", None, retry=False)
                 return self._reject(request, bucket, "predicted_ttft", self._advice(wait))
         return None
+
+    def prefill_time_s(self, request: Request, bucket: int, prompt: int) -> PrefillTime | None:
+        """An arrival's own prefill on the engines its bucket routes to
+        (:meth:`~rlbatch.engine.base.Engine.prefill_time_s`), the least of each figure over
+        them; ``None`` when none of them knows.
+
+        :param request: the arrival.
+        :param bucket: its bucket.
+        :param prompt: its prompt as the engines would take it.
+        """
+        pool = self.routes[bucket]
+        engines = self.engines if pool == ANY_POOL else self.pools[pool]
+        least: PrefillTime | None = None
+        for engine in engines:
+            t = engine.prefill_time_s(request, prompt)
+            if t is not None:
+                least = t if least is None else PrefillTime(min(least.alone_s, t.alone_s),
+                                                            min(least.now_s, t.now_s))
+        return least
 
     def _advice(self, wait_s: float | None) -> float | None:
         """A refusal's ``Retry-After``: the predicted wait, at most
@@ -689,8 +721,11 @@ class Admission:
         return out
 
     def _reject(self, request: Request, bucket: int, reason: RejectReason,
-                retry_after_s: float | None = None, finish_s: float | None = None
-                ) -> Rejected:
+                retry_after_s: float | None = None, finish_s: float | None = None,
+                retry: bool | None = None) -> Rejected:
+        """Count and record a refusal; ``retry`` (``None``: by
+        :attr:`AdmissionConfig.retry_overload` and the reason) says whether the client may
+        retry."""
         self.rejected_in_tick[bucket] += 1
         self.refusals[reason][bucket] += 1
         nan = float("nan")
@@ -699,7 +734,8 @@ class Admission:
             arrival_s=request.arrival_s, prompt_tokens=request.prompt_tokens, output_tokens=0,
             ttft_s=nan, tpot_s=nan, e2e_s=nan,
             finish_s=request.arrival_s if finish_s is None else finish_s, rejected=True))
-        retry = self.config.retry_overload or reason not in OVERLOAD_REASONS
+        if retry is None:
+            retry = self.config.retry_overload or reason not in OVERLOAD_REASONS
         return Rejected(bucket, reason, retry_after_s, retry)
 
 

@@ -12,8 +12,20 @@ served before the arrival, divided by the rate the deployment drains requests at
   ones go after any on-time arrival.
 * **Drain rate**: completions per second over the last ``drain_window_s`` (the rate slots
   free up when the deployment is saturated, which it is whenever requests wait). Until
-  :data:`MIN_COMPLETIONS` completions have been seen in the window nothing is predicted (a
-  cold or idle deployment refuses nothing).
+  :data:`MIN_COMPLETIONS` completions have been seen in the window no wait is predicted.
+* **Its own prefill**, added to the wait: the time its prompt, minus the prefix the
+  engine's caches hold, takes to compute behind the prefills already running on the engine
+  of its pool where that is least (:meth:`~rlbatch.engine.base.Engine.prefill_time_s`, from
+  the engine's step-time model; decodes left out, so a floor). A prompt of tens of thousands
+  of tokens can miss the TTFT on an empty deployment, and a long prefill running delays
+  every newcomer by seconds; without this term such requests were served and answered after
+  20-40 s. One whose prefill alone, on an empty engine, misses the TTFT is told not to
+  retry. The wait is compared with
+  ``slack x TTFT``, the wait plus the prefill with the TTFT itself (``slack x TTFT`` for
+  a slack over 1): a floor needs no margin, and comparing it with a slack under 1 would
+  shed long prompts first whenever anything waits (more requests served, by refusing the
+  long ones). Engines without a latency model (a live engine, the sidecar's upstreams)
+  give none, and only the wait is predicted.
 
 Both the simulator and the sidecar feed the same :class:`DrainRate` through
 :meth:`~rlbatch.serving.admission.Admission.note_finished`.

@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rlbatch.engine.base import kv_budget_exceeded
+from rlbatch.engine.base import PrefillTime, kv_budget_exceeded
 from rlbatch.engine.reserve import KvCommitMode, KvReserveMode, OutputReserve
 from rlbatch.engine.stats import AbortedRequest, EngineStats, FinishedRequest
 from rlbatch.request import Request
@@ -226,6 +226,11 @@ class HttpUpstream:
         else:
             ticket.state = WAITING
             self._waiting.append(ticket)
+
+    def prefill_time_s(self, request: Request, prompt_tokens: int) -> PrefillTime | None:
+        """The sidecar sees neither the server's step times nor its prefix cache: ``None``
+        (admission predicts the wait only)."""
+        return None
 
     def abort(self, request_id: int, *,
               before_first_token: bool = False) -> AbortedRequest | None:

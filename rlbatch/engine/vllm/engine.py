@@ -58,7 +58,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from rlbatch.engine.base import kv_budget_exceeded
+from rlbatch.engine.base import PrefillTime, kv_budget_exceeded
 from rlbatch.engine.reserve import KvCommitMode, OutputReserve, peak_commitment
 from rlbatch.engine.stats import AbortedRequest, EngineStats, FinishedRequest
 from rlbatch.engine.telemetry import MemoryTelemetry
@@ -353,6 +353,11 @@ class VllmEngine:
                     probe.new_seqs, finished, self._wake_idle_s, self._since_wake, distance,
                     timer.schedule_s, timer.forward_s, timer.update_s, cpu_s))
         probe.clear_step()
+
+    def prefill_time_s(self, request: Request, prompt_tokens: int) -> PrefillTime | None:
+        """No latency model of a live engine here: ``None`` (admission predicts the wait
+        only)."""
+        return None
 
     def abort(self, request_id: int, *,
               before_first_token: bool = False) -> AbortedRequest | None:
