@@ -80,7 +80,9 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     the prefill share of the computed tokens, the mean output length of finished requests
     (both smoothed), TTFT and TPOT P99 of all buckets / the SLA's, the engines' busy time, and
     the SLA's TTFT / 5 s and TPOT / 0.15 s (:data:`rlbatch.control.observation.
-    TRAFFIC_GLOBAL_FEATURES`).
+    TRAFFIC_GLOBAL_FEATURES`). ``obs_version=6`` is version 5 plus the share of the prompt
+    tokens looked up in the engines' prefix caches that were found there (smoothed; 0 before
+    any lookup): long prompts with shared prefixes cost little prefill.
 
     | index | feature | unit / normalisation |
     |---|---|---|
@@ -152,8 +154,8 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     * ``action_kind``: ``per_bucket`` (caps per bucket) or ``total_share`` (a total cap and
       per-bucket shares; the guard's ladder is then the total ladder, up to 256).
     * ``obs_version``: 1 (snapshot features), 2 (plus trends), 3 (version 2 in units of
-      the deployment's capacity), 4 (version 3 without the action in force) or 5 (version 4
-      plus the kind of traffic and the SLA).
+      the deployment's capacity), 4 (version 3 without the action in force), 5 (version 4
+      plus the kind of traffic and the SLA) or 6 (version 5 plus the prefix-cache hit rate).
     * ``decision_ticks``: ticks one action is held for.
     * ``shares``: the ``total_share`` action's share ladder (``(1.0,)``: the total cap
       only).

@@ -68,7 +68,8 @@ def engine_stats(engine_id: int = 0, pool: str = "fp16", *, running: tuple[int, 
                  kv_overflows: int = 0, committed: int = 0, capacity: int = 1024,
                  memory: tuple[int, int] = (0, 1 << 30),
                  finished: tuple[FinishedRequest, ...] = (),
-                 first_tokens: tuple[tuple[int, float], ...] = ()) -> EngineStats:
+                 first_tokens: tuple[tuple[int, float], ...] = (),
+                 prefix: tuple[int, int] = (0, 0)) -> EngineStats:
     """An EngineStats with the given readings and harmless defaults."""
     return EngineStats(
         engine_id=engine_id, pool=pool, start_s=0.0, time_s=1.0, running=running,
@@ -77,7 +78,8 @@ def engine_stats(engine_id: int = 0, pool: str = "fp16", *, running: tuple[int, 
         gpu_memory_used_bytes=memory[0], gpu_memory_total_bytes=memory[1], iterations=1,
         busy_s=0.5, prefill_tokens=prefill, decode_tokens=decode, preemptions=preemptions,
         recomputed_tokens=recomputed, kv_overflows=kv_overflows, max_num_seqs=8,
-        finished=finished, first_tokens=first_tokens)
+        finished=finished, first_tokens=first_tokens, prefix_cache_queries=prefix[0],
+        prefix_cache_hits=prefix[1])
 
 
 def window(n: int = 3, *, ttft: float = math.nan, tpot: float = math.nan,

@@ -26,6 +26,8 @@ SHORT = {"episode_s": 60.0, "drain_s": 20.0}
      "pools": "fp16:1,fp8:1"},
     {"scenario": "day", "action_kind": "total_share", "obs_version": 3, "decision_ticks": 5,
      "pools": "fp16:1,fp8:1", "shares": (1.0,)},
+    {"scenario": "mixed", "action_kind": "total_share", "obs_version": 6, "decision_ticks": 5,
+     "pools": "fp16:1,fp8:1"},
 ])
 def test_registered_env_passes_checkers(kwargs: dict[str, object]) -> None:
     env = gym.make(envs.ENV_ID, **SHORT, **kwargs)
@@ -52,7 +54,8 @@ def _rollout(seed: int, steps: int = 80,
     {}, {"action_kind": "total_share", "obs_version": 2, "decision_ticks": 3},
     {"action_kind": "total_share", "obs_version": 3, "decision_ticks": 3},
     {"action_kind": "total_share", "obs_version": 4, "decision_ticks": 3},
-    {"action_kind": "total_share", "obs_version": 3, "decision_ticks": 3, "shares": (1.0,)}])
+    {"action_kind": "total_share", "obs_version": 3, "decision_ticks": 3, "shares": (1.0,)},
+    {"action_kind": "total_share", "obs_version": 6, "decision_ticks": 3}])
 def test_same_seed_identical_rollouts(kwargs: dict[str, object]) -> None:
     a, b = _rollout(3, **kwargs), _rollout(3, **kwargs)
     assert len(a) == len(b)

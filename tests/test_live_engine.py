@@ -337,17 +337,22 @@ def test_prefix_ids_hit_the_live_prefix_cache(clock: LiveClock) -> None:
     try:
         first = Request(0, engine.now_s, 600, 4, prefix_ids=(0, 7))
         engine.add_request(first, 0, 600, False)
-        _drain(engine)
+        (snap,) = _drain(engine)
         queries, hits = engine.prefix_cache_totals()
         assert queries == 600 and hits == 0
+        assert (snap.prefix_cache_queries, snap.prefix_cache_hits) == (600, 0)
         later = Request(1, engine.now_s, 900, 4, prefix_ids=(0, 7))  # the same history, longer
         other = Request(2, engine.now_s, 600, 4, prefix_ids=(0, 8))  # only the system block
+        snaps = []
         for r in (later, other):
             engine.add_request(r, 0, r.prompt_tokens, False)
-            _drain(engine)
+            snaps += _drain(engine)
         queries, hits = engine.prefix_cache_totals()
         assert queries == 600 + 900 + 600
         assert hits == 576 + 512  # 18 and 16 whole 32-token blocks
+        # each snapshot reports its interval's lookups (what the observation reads)
+        assert [(s.prefix_cache_queries, s.prefix_cache_hits) for s in snaps] == [
+            (900, 576), (600, 512)]
     finally:
         engine.close()
 

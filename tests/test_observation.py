@@ -13,6 +13,7 @@ from rlbatch.control.observation import (
     CLIP,
     GLOBAL_FEATURES,
     PER_BUCKET_FEATURES,
+    PREFIX_GLOBAL_FEATURES,
     TRAFFIC_GLOBAL_FEATURES,
     ObservationBuilder,
     feature_names,
@@ -213,3 +214,28 @@ def test_v5_reads_prefill_share_output_length_and_the_sla() -> None:
     builder.reset()
     stats = deployment_stats((engine_stats(0, "fp16", prefill=100, decode=900),))
     assert builder.build(stats, (0.0,) * 5)[names.index("prefill_share")] == pytest.approx(0.1)
+
+
+def test_v6_is_v5_plus_the_smoothed_prefix_hit_rate() -> None:
+    names5, names6 = feature_names(BUCKETS.names, 5), feature_names(BUCKETS.names, 6)
+    assert names6 == names5 + list(PREFIX_GLOBAL_FEATURES)
+    assert observation_size(len(BUCKETS), 6) == len(names6)
+    v5 = ObservationBuilder(_info_v3(2.0), max_cap=64, version=5)
+    v6 = ObservationBuilder(_info_v3(2.0), max_cap=64, version=6)
+    first = v6.initial()
+    np.testing.assert_array_equal(first[:-1], v5.initial())
+    assert first[-1] == 0.0
+    # two engines: 3000 of 4000 tokens found; an idle tick leaves the ratio where it was
+    cached = deployment_stats((engine_stats(0, "fp16", prefix=(3000, 2900)),
+                               engine_stats(1, "fp8", prefix=(1000, 100))))
+    idle = deployment_stats((engine_stats(0, "fp16"), engine_stats(1, "fp8")))
+    for stats in (cached, idle, idle):
+        o5, o6 = v5.build(stats, (0.0,) * 5), v6.build(stats, (0.0,) * 5)
+        np.testing.assert_array_equal(o6[:-1], o5)
+        assert o6[-1] == pytest.approx(0.75)
+    # smoothed: an uncached stream moves it towards 0 over ticks, not at once
+    cold = deployment_stats((engine_stats(0, "fp16", prefix=(4000, 0)),))
+    rates = [float(v6.build(cold, (0.0,) * 5)[-1]) for _ in range(60)]
+    assert 0.7 > rates[0] > rates[1] > rates[-1] > 0.0 and rates[-1] < 0.2
+    v6.reset()
+    assert v6.build(idle, (0.0,) * 5)[-1] == 0.0

@@ -33,6 +33,8 @@ vllm:iteration_tokens_total_count{engine="0",model_name="tiny"} 90.0
 vllm:inter_token_latency_seconds_sum{engine="0",model_name="tiny"} 2.0
 vllm:inter_token_latency_seconds_count{engine="0",model_name="tiny"} 1000.0
 vllm:cache_config_info{block_size="32",cache_dtype="fp8",engine="0",num_gpu_blocks="2048"} 1.0
+vllm:prefix_cache_queries_total{engine="0",model_name="tiny"} 640.0
+vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 512.0
 python_gc_objects_collected_total{generation="0"} 1.0
 """
 
@@ -44,6 +46,9 @@ def test_parse_vllm_metrics() -> None:
         2.0, 700.0, 1100.0)
     assert m.iterations_total == 90.0 and m.itl_count == 1000.0
     assert m.kv_capacity_tokens == 2048 * 32
+    assert (m.prefix_cache_queries_total, m.prefix_cache_hits_total) == (640.0, 512.0)
+    plain = parse_vllm_metrics(METRICS_PAGE.replace("vllm:prefix_cache", "vllm:other"))
+    assert (plain.prefix_cache_queries_total, plain.prefix_cache_hits_total) == (0.0, 0.0)
     with pytest.raises(MetricsParseError, match="num_requests_running"):
         parse_vllm_metrics("python_gc_objects_collected_total 1.0\n")
     assert counter_delta(10.0, 4.0) == 6.0
@@ -96,3 +101,22 @@ def test_upstream_reports_how_long_the_engine_wide_cap_holds_its_oldest() -> Non
         assert upstream.oldest_waiting_s(5.0) == 0.0
     finally:
         loop.close()
+
+
+def test_upstream_reports_the_prefix_cache_lookups_of_the_interval() -> None:
+    upstream = HttpUpstream(0, UpstreamSpec("fp16", "http://127.0.0.1:9"), 1, {},
+                            lambda: 0.0, 64)
+
+    def scrape(queries: float, hits: float) -> tuple[int, int]:
+        page = (METRICS_PAGE
+                .replace("queries_total{engine=\"0\",model_name=\"tiny\"} 640.0",
+                         f"queries_total{{engine=\"0\",model_name=\"tiny\"}} {queries}")
+                .replace("hits_total{engine=\"0\",model_name=\"tiny\"} 512.0",
+                         f"hits_total{{engine=\"0\",model_name=\"tiny\"}} {hits}"))
+        upstream.observe(parse_vllm_metrics(page))
+        es = upstream.snapshot()
+        return es.prefix_cache_queries, es.prefix_cache_hits
+
+    assert scrape(640.0, 512.0) == (0, 0)  # the first scrape is the baseline
+    assert scrape(2640.0, 2012.0) == (2000, 1500)
+    assert scrape(300.0, 10.0) == (300, 10)  # the server restarted

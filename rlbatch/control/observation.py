@@ -75,13 +75,20 @@ any SLA within its trained range."""
 SLA_TTFT_NORM_S = 5.0
 SLA_TPOT_NORM_S = 0.15
 OUTPUT_TOKENS_NORM = 2048.0
-OBS_VERSIONS: tuple[int, ...] = (1, 2, 3, 4, 5)
+PREFIX_GLOBAL_FEATURES: tuple[str, ...] = (
+    "prefix_hit_rate",   # smoothed prompt tokens found in the prefix cache / looked up
+)
+"""How much of the prompts the engines find cached (version 6): long prompts that share a
+prefix (RAG over one corpus, multi-turn chat) cost little prefill, so the batch that suits
+them is not the one that suits long prompts computed in full (code completion)."""
+OBS_VERSIONS: tuple[int, ...] = (1, 2, 3, 4, 5, 6)
 """1: the snapshot features; 2: plus trends (smoothed rates, queue growth, totals), which
 need state across ticks; 3: version 2's features with every rate, queue and throughput in
 units of the deployment's reference capacity (:mod:`rlbatch.profiles.capacity`) instead of
 absolute, plus the capacity itself, so that one policy reads load the same way on every
 GPU and model; 4: version 3 without the action in force (:data:`ACTION_FEATURES`); 5:
-version 4 plus :data:`TRAFFIC_GLOBAL_FEATURES` (the traffic's kind and the SLA)."""
+version 4 plus :data:`TRAFFIC_GLOBAL_FEATURES` (the traffic's kind and the SLA); 6: version 5
+plus :data:`PREFIX_GLOBAL_FEATURES`."""
 ACTION_FEATURES: tuple[str, ...] = ("cap", "pool", "total_cap")
 """Features that restate the action in force (per bucket ``cap`` and ``pool``, and the
 ``total_cap``), which version 4 leaves out. A student cloned from a teacher whose actions
@@ -98,6 +105,8 @@ def _restates_action(name: str) -> bool:
 
 
 def observation_size(num_buckets: int, version: int = 1) -> int:
+    if version >= 6:
+        return observation_size(num_buckets, 5) + len(PREFIX_GLOBAL_FEATURES)
     if version >= 5:
         return observation_size(num_buckets, 4) + len(TRAFFIC_GLOBAL_FEATURES)
     if version >= 4:
@@ -114,6 +123,8 @@ def observation_size(num_buckets: int, version: int = 1) -> int:
 
 def feature_names(bucket_names: tuple[str, ...], version: int = 1) -> list[str]:
     """Name of every observation index, in order."""
+    if version >= 6:
+        return feature_names(bucket_names, 5) + list(PREFIX_GLOBAL_FEATURES)
     if version >= 5:
         return feature_names(bucket_names, 4) + list(TRAFFIC_GLOBAL_FEATURES)
     if version >= 4:
@@ -185,7 +196,8 @@ class ObservationBuilder:
         self._trend.clear()
         self._trend.update(arrivals=[0.0] * n_b, departures=[0.0] * n_b,
                            growth=[0.0] * n_b, queued=[0.0] * n_b, doomed=[0.0],
-                           prefill=[0.0], decode=[0.0], outputs=[0.0], finished=[0.0])
+                           prefill=[0.0], decode=[0.0], outputs=[0.0], finished=[0.0],
+                           prefix_queries=[0.0], prefix_hits=[0.0])
 
     def initial(self) -> np.ndarray:
         """Observation before the first tick: idle deployment, nothing measured."""
@@ -205,6 +217,8 @@ class ObservationBuilder:
         if self.version >= 5:
             traffic = [0.0] * (len(TRAFFIC_GLOBAL_FEATURES) - len(self._sla)) + self._sla
             obs = np.concatenate([obs, np.clip(traffic, 0.0, CLIP).astype(np.float32)])
+        if self.version >= 6:  # nothing looked up yet: nothing found cached
+            obs = np.concatenate([obs, np.zeros(len(PREFIX_GLOBAL_FEATURES), np.float32)])
         return obs
 
     def _rate(self, per_s: float) -> float:
@@ -262,6 +276,8 @@ class ObservationBuilder:
         n_kept = len(out)
         if self.version >= 5:
             out.extend(self._traffic(stats, tick))
+        if self.version >= 6:
+            out.append(self._prefix_hit_rate(stats, tick))
         raw = np.array(out, dtype=np.float64)
         # Memory readings that are not numbers must not look like an empty cache.
         g = n_b * len(PER_BUCKET_FEATURES)
@@ -292,6 +308,18 @@ class ObservationBuilder:
                 stats.window.tpot_p99_all_s / sla.tpot_s,
                 sum(busy) / len(busy) if busy else 0.0,
                 *self._sla]
+
+    def _prefix_hit_rate(self, stats: DeploymentStats, tick: float) -> float:
+        # smoothed as a ratio of smoothed counts: a tick with one short lookup must not swing it
+        tr = self._trend
+        alpha = 1.0 - math.exp(-tick / TREND_TAU_S)
+        queries = sum(max(es.prefix_cache_queries, 0) for es in stats.engines)
+        hits = sum(max(es.prefix_cache_hits, 0) for es in stats.engines)
+        tr["prefix_queries"][0] += alpha * (queries / tick - tr["prefix_queries"][0])
+        tr["prefix_hits"][0] += alpha * (hits / tick - tr["prefix_hits"][0])
+        if tr["prefix_queries"][0] <= 1e-9:
+            return 0.0
+        return min(tr["prefix_hits"][0] / tr["prefix_queries"][0], 1.0)
 
     def _trends(self, stats: DeploymentStats, tick: float) -> list[float]:
         tr = self._trend

@@ -277,6 +277,10 @@ class HttpUpstream:
                                       before.preemptions_total if before else None)
             iterations = counter_delta(m.iterations_total,
                                        before.iterations_total if before else None)
+            prefix_queries = counter_delta(m.prefix_cache_queries_total,
+                                           before.prefix_cache_queries_total if before else None)
+            prefix_hits = counter_delta(m.prefix_cache_hits_total,
+                                        before.prefix_cache_hits_total if before else None)
             itl_n = counter_delta(m.itl_count, before.itl_count if before else None)
             # the count and the sum restart together: judge the restart once, on the count
             itl_s = (m.itl_sum_s if before is not None and m.itl_count < before.itl_count
@@ -295,6 +299,7 @@ class HttpUpstream:
             blocks = m.num_gpu_blocks or 0
         else:
             prefill = decode = preempted = iterations = busy = 0.0
+            prefix_queries = prefix_hits = 0.0
             kv = math.nan
             capacity = blocks = 0
         self._at_snapshot = m
@@ -309,7 +314,8 @@ class HttpUpstream:
             gpu_memory_used_bytes=gpu_used_bytes, gpu_memory_total_bytes=gpu_total_bytes,
             iterations=int(iterations), busy_s=busy, prefill_tokens=int(prefill),
             decode_tokens=int(decode), preemptions=int(preempted), recomputed_tokens=0,
-            kv_overflows=int(preempted), max_num_seqs=self.max_num_seqs, finished=finished)
+            kv_overflows=int(preempted), max_num_seqs=self.max_num_seqs, finished=finished,
+            prefix_cache_queries=int(prefix_queries), prefix_cache_hits=int(prefix_hits))
         self._snapshot_s = now
         return stats
 

@@ -23,10 +23,12 @@ ITERATIONS = "vllm:iteration_tokens_total_count"
 ITL_SUM = "vllm:inter_token_latency_seconds_sum"
 ITL_COUNT = "vllm:inter_token_latency_seconds_count"
 CACHE_CONFIG = "vllm:cache_config_info"
+PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
 
 WANTED: frozenset[str] = frozenset({RUNNING, WAITING, KV_USAGE, PREEMPTIONS, PROMPT_TOKENS,
                                     GENERATION_TOKENS, ITERATIONS, ITL_SUM, ITL_COUNT,
-                                    CACHE_CONFIG})
+                                    CACHE_CONFIG, PREFIX_QUERIES, PREFIX_HITS})
 
 
 class MetricsParseError(ValueError):
@@ -48,6 +50,9 @@ class VllmMetrics:
     :param itl_count: ``vllm:inter_token_latency_seconds_count``.
     :param num_gpu_blocks: KV blocks of the pool (``vllm:cache_config_info``), if exported.
     :param block_size: tokens per KV block, if exported.
+    :param prefix_cache_queries_total: ``vllm:prefix_cache_queries_total`` (prompt tokens
+        looked up in the prefix cache; 0 with prefix caching off).
+    :param prefix_cache_hits_total: ``vllm:prefix_cache_hits_total`` (of those, found cached).
     """
 
     running: float
@@ -61,6 +66,8 @@ class VllmMetrics:
     itl_count: float
     num_gpu_blocks: int | None
     block_size: int | None
+    prefix_cache_queries_total: float = 0.0
+    prefix_cache_hits_total: float = 0.0
 
     @property
     def kv_capacity_tokens(self) -> int | None:
@@ -118,7 +125,9 @@ def parse_vllm_metrics(text: str) -> VllmMetrics:
         prompt_tokens_total=sums.get(PROMPT_TOKENS, 0.0),
         generation_tokens_total=sums.get(GENERATION_TOKENS, 0.0),
         iterations_total=sums.get(ITERATIONS, 0.0), itl_sum_s=sums.get(ITL_SUM, 0.0),
-        itl_count=sums.get(ITL_COUNT, 0.0), num_gpu_blocks=blocks, block_size=block_size)
+        itl_count=sums.get(ITL_COUNT, 0.0), num_gpu_blocks=blocks, block_size=block_size,
+        prefix_cache_queries_total=sums.get(PREFIX_QUERIES, 0.0),
+        prefix_cache_hits_total=sums.get(PREFIX_HITS, 0.0))
 
 
 def counter_delta(now: float, before: float | None) -> float:

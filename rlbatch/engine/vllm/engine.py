@@ -181,6 +181,7 @@ class VllmEngine:
         self._token_counts: OrderedDict[int, None] = OrderedDict()
         self._closed = False
         self.iterations: list[IterationRecord] | None = [] if record_iterations else None
+        self._prefix_at_snapshot = (0, 0)  # prefix-cache totals at the last snapshot
         self._reset_interval()
         clock.engines.append(self)
         register_core(llm_engine.engine_core)  # last: a failed construction never counts
@@ -398,6 +399,9 @@ class VllmEngine:
                 running[live.bucket] += 1
         waiting = [u - r for u, r in zip(self._unfinished, running, strict=True)]
         preemptions, overflows, peak = self._stats.take_interval()
+        queries, hits = self.prefix_cache_totals()
+        queries_before, hits_before = self._prefix_at_snapshot
+        self._prefix_at_snapshot = (queries, hits)
         usage = self._stats.kv_cache_usage
         reading = self.telemetry.read(kv_cache_usage=usage)
         stats = EngineStats(
@@ -424,6 +428,8 @@ class VllmEngine:
             max_num_seqs=self._max_num_seqs,
             finished=tuple(self._finished),
             first_tokens=tuple(self._first_tokens),
+            prefix_cache_queries=queries - queries_before,
+            prefix_cache_hits=hits - hits_before,
             aborted=tuple(self._aborted),
         )
         self._reset_interval()
