@@ -55,6 +55,36 @@ def test_drain_rate_needs_enough_completions_and_forgets_the_old_ones() -> None:
     assert predicted_wait_s(6, None) == 0.0
 
 
+def test_the_prior_stands_in_until_the_drain_rate_is_measured() -> None:
+    drain = DrainRate(10.0, prior_rps=5.0)
+    assert drain.rate(0.0) == 5.0
+    drain.note([float(t) for t in range(MIN_COMPLETIONS - 1)])
+    assert drain.rate(MIN_COMPLETIONS - 1.0) == 5.0 and drain.copy().rate(7.0) == 5.0
+    drain.note([7.5])
+    assert drain.rate(9.0) == pytest.approx(MIN_COMPLETIONS / 10.0)  # measured: the prior
+    # no longer counts, however far from it
+    drain.prior_rps = None
+    assert drain.rate(30.0) is None
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="prior_rps"):
+            DrainRate(10.0, prior_rps=bad)
+
+
+def test_a_cold_start_predicts_with_the_capacity_configured() -> None:
+    """Nothing has completed: without a capacity every arrival is queued; with 2 requests/s
+    of capacity the fourth in line would wait 1.5 s > 0.5 x 2 s and is refused (the third,
+    1 s, is not)."""
+    for capacity, refused in ((0.0, False), (2.0, True)):
+        adm = _admission(AdmissionConfig(reject_ttft_slack=0.5))
+        adm.configure(AdmissionDiscipline("fifo", None), 2.0, capacity)
+        for rid in range(3):
+            assert isinstance(adm.submit(_req(rid, 0.1 * rid)), Queued)
+        out = adm.submit(_req(3, 0.5))
+        assert isinstance(out, Rejected) is refused
+        if isinstance(out, Rejected):
+            assert out.retry_after_s == pytest.approx(3 / 2.0)
+
+
 def test_the_queue_ttl_expires_the_oldest_and_answers_503() -> None:
     adm = _admission(AdmissionConfig(queue_ttl_s=5.0))
     for rid, t in enumerate((0.0, 1.0, 2.0)):

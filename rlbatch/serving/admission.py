@@ -244,15 +244,20 @@ class Admission:
         self._sheds_at_arrival = (config.reject_ttft_slack is not None
                                   or config.max_num_queued_tokens is not None)
 
-    def configure(self, discipline: AdmissionDiscipline, sla_ttft_s: float) -> None:
+    def configure(self, discipline: AdmissionDiscipline, sla_ttft_s: float,
+                  capacity_rps: float = 0.0) -> None:
         """Put a discipline in force: the order of the queues and the KV budget, for the run.
 
         :param discipline: the order and the KV budget.
         :param sla_ttft_s: the SLA's TTFT, after which a queued request is late under
             deadline order (an SLA without a TTFT limit has no late request: FIFO).
+        :param capacity_rps: the deployment's reference capacity
+            (:attr:`~rlbatch.control.types.DeploymentInfo.capacity_rps`), the drain rate
+            predicted with until one is measured (0: unknown, nothing predicted until then).
         """
         self.discipline = discipline
         self.sla_ttft_s = sla_ttft_s
+        self.drain.prior_rps = capacity_rps if capacity_rps > 0 else None
         budget = discipline.kv_budget
         self.kv_budget_fraction = None if budget is None else budget.fraction
         self.kv_commit = "final" if budget is None else budget.commit
@@ -484,8 +489,8 @@ class Admission:
 
     def predicted_ttft_s(self, now_s: float) -> float | None:
         """An arrival's predicted wait to start at ``now_s``: :meth:`waiting_ahead` over the
-        drain rate; ``None`` while the rate is unknown (:data:`~rlbatch.serving.overload.
-        MIN_COMPLETIONS`).
+        drain rate (the capacity :meth:`configure` was given until :data:`~rlbatch.serving.
+        overload.MIN_COMPLETIONS` are measured); ``None`` while the rate is unknown.
 
         :param now_s: the arrival's time.
         """

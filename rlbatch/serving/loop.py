@@ -118,7 +118,7 @@ class ControlLoop:
         if track_deadlines:
             self.deadlines = DeadlineTracker(len(self.info.buckets), self.info.sla.ttft_s)
             source.admission.accepted = []
-        source.admission.configure(discipline, self.info.sla.ttft_s)
+        source.admission.configure(discipline, self.info.sla.ttft_s, self.info.capacity_rps)
         self.action = initial_action
         source.apply(initial_action)
         self.ticks = 0

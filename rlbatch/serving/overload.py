@@ -12,7 +12,12 @@ served before the arrival, divided by the rate the deployment drains requests at
   ones go after any on-time arrival.
 * **Drain rate**: completions per second over the last ``drain_window_s`` (the rate slots
   free up when the deployment is saturated, which it is whenever requests wait). Until
-  :data:`MIN_COMPLETIONS` completions have been seen in the window no wait is predicted.
+  :data:`MIN_COMPLETIONS` completions have been seen in the window (a cold start) the
+  deployment's reference capacity stands in for it (:mod:`rlbatch.profiles.capacity`;
+  without one no wait is predicted): at a cold start under overload nothing completes for
+  seconds while hundreds of requests are let in, and those handed to an engine whose KV cache
+  is full wait in its own queue, where no TTL reaches them (H200 / Llama-3.1-70B at 1.5x its
+  knee answered its last percent after 6.4 s; with the capacity, 1.9 s).
 * **Its own prefill**, added to the wait: the time its prompt, minus the prefix the
   engine's caches hold, takes to compute behind the prefills already running on the engine
   of its pool where that is least (:meth:`~rlbatch.engine.base.Engine.prefill_time_s`, from
@@ -45,13 +50,25 @@ class DrainRate:
     """Completions per second over a sliding window.
 
     :param window_s: the window.
+    :param prior_rps: the rate assumed until it is measured (``None``: unknown).
     """
 
-    def __init__(self, window_s: float) -> None:
+    def __init__(self, window_s: float, prior_rps: float | None = None) -> None:
         if not (window_s > 0 and math.isfinite(window_s)):
             raise ValueError(f"window_s must be > 0 and finite, got {window_s}")
         self.window_s = window_s
+        self.prior_rps = prior_rps
         self._times: deque[float] = deque()
+
+    @property
+    def prior_rps(self) -> float | None:
+        return self._prior_rps
+
+    @prior_rps.setter
+    def prior_rps(self, rps: float | None) -> None:
+        if rps is not None and not (rps > 0 and math.isfinite(rps)):
+            raise ValueError(f"prior_rps must be > 0 and finite or None, got {rps}")
+        self._prior_rps = rps
 
     def note(self, finish_times_s: Iterable[float]) -> None:
         """Count completions (their finish times, in any order within one call).
@@ -66,10 +83,10 @@ class DrainRate:
                 times.insert(_insert_at(times, t), t)
 
     def rate(self, now_s: float) -> float | None:
-        """Completions per second over ``(now_s - window_s, now_s]``; ``None`` while fewer
-        than :data:`MIN_COMPLETIONS` fall in it. Within a window of a cold start the rate is
-        underestimated (the deployment has not had a whole window to drain in), so the
-        prediction errs toward refusing.
+        """Completions per second over ``(now_s - window_s, now_s]``; :attr:`prior_rps`
+        while fewer than :data:`MIN_COMPLETIONS` fall in it. Within a window of a cold start
+        the measured rate is underestimated (the deployment has not had a whole window to
+        drain in), so the prediction errs toward refusing.
 
         :param now_s: the time.
         """
@@ -79,12 +96,12 @@ class DrainRate:
             times.popleft()
         count = len(times) - _after(times, now_s)
         if count < MIN_COMPLETIONS:
-            return None
+            return self._prior_rps
         return count / self.window_s
 
     def copy(self) -> DrainRate:
         """An independent copy (a forked deployment's)."""
-        new = DrainRate(self.window_s)
+        new = DrainRate(self.window_s, self._prior_rps)
         new._times = deque(self._times)
         return new
 

@@ -230,7 +230,7 @@ def roll_out(twin: Deployment, action: ControlAction, start_s: float,
     :param end_s: the horizon.
     :param discipline: admission's discipline in the rollout (the controller's).
     """
-    twin.admission.configure(discipline, twin.info.sla.ttft_s)
+    twin.admission.configure(discipline, twin.info.sla.ttft_s, twin.info.capacity_rps)
     twin.apply(action)
     twin.run_until(end_s)
     finished = [rec for es in twin.snapshot() for rec in es.finished]

@@ -253,7 +253,8 @@ class SidecarControl:
         self.decided = action
         if self.loop is not None:
             if not self.settings.shadow:
-                self.source.admission.configure(self.discipline, info.sla.ttft_s)
+                self.source.admission.configure(self.discipline, info.sla.ttft_s,
+                                                  info.capacity_rps)
             self.loop.apply(action, enforce=not self.settings.shadow)
         _LOG.info("controller switched: %s -> %s; in force: %s", old, controller.name,
                   self.describe(self.in_force))
