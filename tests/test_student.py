@@ -23,7 +23,7 @@ from policies.training.finetune import ClipObservation
 from policies.training.recipe import Recipe, RecipeConfig, build_student, export_student
 from rlbatch.control.action_codec import SHARE_LADDER, TOTAL_LADDER, TotalShareCodec, make_codec
 from rlbatch.control.controllers import make_controller
-from rlbatch.control.observation import feature_names, observation_size
+from rlbatch.control.observation import OBS_VERSIONS, feature_names, observation_size
 from rlbatch.control.types import ControlAction
 from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.serving.run import run
@@ -133,7 +133,8 @@ def test_student_artifact_serves_like_the_network(tmp_path: Path, obs_version: i
 
 def test_recipe_refuses_an_unknown_observation_version() -> None:
     with pytest.raises(ValueError, match="obs_version must be one of"):
-        RecipeConfig(obs_version=6)
+        RecipeConfig(obs_version=max(OBS_VERSIONS) + 1)
+    RecipeConfig(obs_version=max(OBS_VERSIONS))
 
 
 def _row(controller: str, trace: str, rate: float, goodput: float, sla: float,
