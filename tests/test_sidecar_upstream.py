@@ -39,6 +39,22 @@ python_gc_objects_collected_total{generation="0"} 1.0
 """
 
 
+def _page(values: dict[str, float]) -> str:
+    """:data:`METRICS_PAGE` with each named series (``name{labels} value`` lines) set to its
+    value."""
+    lines = []
+    for line in METRICS_PAGE.splitlines():
+        name = line.partition("{")[0]
+        if name in values:
+            line = f"{line.rpartition(' ')[0]} {values[name]}"
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def _upstream() -> HttpUpstream:
+    return HttpUpstream(0, UpstreamSpec("fp16", "http://127.0.0.1:9"), 1, {}, lambda: 0.0, 64)
+
+
 def test_parse_vllm_metrics() -> None:
     m = parse_vllm_metrics(METRICS_PAGE)
     assert (m.running, m.waiting, m.kv_cache_usage) == (3.0, 1.0, 0.25)
@@ -59,18 +75,13 @@ def test_parse_vllm_metrics() -> None:
 def test_upstream_busy_time_is_iterations_times_the_mean_inter_token_latency() -> None:
     # vLLM exports no step time: the guard's P99 rule reads busy / iterations, which behind
     # the sidecar is the interval's mean inter-token latency
-    upstream = HttpUpstream(0, UpstreamSpec("fp16", "http://127.0.0.1:9"), 1, {},
-                            lambda: 0.0, 64)
+    upstream = _upstream()
 
     def scrape(iterations: float, itl_sum: float, itl_count: float) -> tuple[int, float]:
-        page = (METRICS_PAGE
-                .replace("_count{engine=\"0\",model_name=\"tiny\"} 90.0",
-                         f"_count{{engine=\"0\",model_name=\"tiny\"}} {iterations}")
-                .replace("seconds_sum{engine=\"0\",model_name=\"tiny\"} 2.0",
-                         f"seconds_sum{{engine=\"0\",model_name=\"tiny\"}} {itl_sum}")
-                .replace("seconds_count{engine=\"0\",model_name=\"tiny\"} 1000.0",
-                         f"seconds_count{{engine=\"0\",model_name=\"tiny\"}} {itl_count}"))
-        upstream.observe(parse_vllm_metrics(page))
+        upstream.observe(parse_vllm_metrics(_page({
+            "vllm:iteration_tokens_total_count": iterations,
+            "vllm:inter_token_latency_seconds_sum": itl_sum,
+            "vllm:inter_token_latency_seconds_count": itl_count})))
         es = upstream.snapshot()
         return es.iterations, es.busy_s
 
@@ -104,16 +115,11 @@ def test_upstream_reports_how_long_the_engine_wide_cap_holds_its_oldest() -> Non
 
 
 def test_upstream_reports_the_prefix_cache_lookups_of_the_interval() -> None:
-    upstream = HttpUpstream(0, UpstreamSpec("fp16", "http://127.0.0.1:9"), 1, {},
-                            lambda: 0.0, 64)
+    upstream = _upstream()
 
     def scrape(queries: float, hits: float) -> tuple[int, int]:
-        page = (METRICS_PAGE
-                .replace("queries_total{engine=\"0\",model_name=\"tiny\"} 640.0",
-                         f"queries_total{{engine=\"0\",model_name=\"tiny\"}} {queries}")
-                .replace("hits_total{engine=\"0\",model_name=\"tiny\"} 512.0",
-                         f"hits_total{{engine=\"0\",model_name=\"tiny\"}} {hits}"))
-        upstream.observe(parse_vllm_metrics(page))
+        upstream.observe(parse_vllm_metrics(_page({"vllm:prefix_cache_queries_total": queries,
+                                                   "vllm:prefix_cache_hits_total": hits})))
         es = upstream.snapshot()
         return es.prefix_cache_queries, es.prefix_cache_hits
 
