@@ -236,6 +236,8 @@ class SimEngine(SimScheduler):
                                      self.cached_prompt_tokens(request, prompt_tokens), budget)
         ahead = 0.0
         for seq in self._running:  # scheduled before any newcomer, their chunks first
+            if seq.in_lane:  # decoding (its counts live in the lane, not in its fields)
+                continue
             total = seq.prompt_len + seq.num_output
             if total - seq.num_computed > 1 or seq.num_computed == 0:  # not decoding
                 ahead += model.prefill_time_s(total, seq.num_computed, budget)

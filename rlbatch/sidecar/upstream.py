@@ -269,22 +269,20 @@ class HttpUpstream:
         m = self.metrics
         before = self._at_snapshot
         if m is not None:
-            prefill = counter_delta(m.prompt_tokens_total,
-                                    before.prompt_tokens_total if before else None)
-            decode = counter_delta(m.generation_tokens_total,
-                                   before.generation_tokens_total if before else None)
-            preempted = counter_delta(m.preemptions_total,
-                                      before.preemptions_total if before else None)
-            iterations = counter_delta(m.iterations_total,
-                                       before.iterations_total if before else None)
-            prefix_queries = counter_delta(m.prefix_cache_queries_total,
-                                           before.prefix_cache_queries_total if before else None)
-            prefix_hits = counter_delta(m.prefix_cache_hits_total,
-                                        before.prefix_cache_hits_total if before else None)
-            itl_n = counter_delta(m.itl_count, before.itl_count if before else None)
+            def delta(counter: str) -> float:
+                return counter_delta(getattr(m, counter),
+                                     None if before is None else getattr(before, counter))
+
+            prefill = delta("prompt_tokens_total")
+            decode = delta("generation_tokens_total")
+            preempted = delta("preemptions_total")
+            iterations = delta("iterations_total")
+            prefix_queries = delta("prefix_cache_queries_total")
+            prefix_hits = delta("prefix_cache_hits_total")
+            itl_n = delta("itl_count")
             # the count and the sum restart together: judge the restart once, on the count
             itl_s = (m.itl_sum_s if before is not None and m.itl_count < before.itl_count
-                     else counter_delta(m.itl_sum_s, before.itl_sum_s if before else None))
+                     else delta("itl_sum_s"))
             busy = 0.0
             if itl_n > 0:
                 self.itl_mean_s = itl_s / itl_n
