@@ -23,6 +23,7 @@ from rlbatch.control.discipline import (
 )
 from rlbatch.control.types import SLA, ControlAction, DeploymentInfo
 from rlbatch.engine.base import Engine
+from rlbatch.engine.config import EngineConfig
 from rlbatch.engine.sim import SimEngine
 from rlbatch.request import Request
 from rlbatch.serving.admission import (
@@ -38,7 +39,7 @@ from rlbatch.serving.loop import ControlLoop
 from rlbatch.serving.run import run
 from rlbatch.sidecar.control_tick import describe_action
 from rlbatch.workload.base import build_workload
-from tests.factories import BUCKETS, sim_engine
+from tests.factories import BUCKETS, ConstantStep, sim_engine
 
 MAX_LEN = 512
 LATE_AFTER_S = 2.0
@@ -194,6 +195,48 @@ def test_an_sla_without_a_ttft_limit_has_no_late_requests() -> None:
     assert describe_action(action, ("a", "b", "c")) == "a=8@fp16 b=8@fp16 c=8@fp16"
 
 
+def _prefill_engine() -> SimEngine:
+    """One engine running one request at a time whose prefill grows with the prompt: 16
+    prompt tokens per 10-ms step."""
+    cfg = EngineConfig(max_num_seqs=1, max_num_batched_tokens=16, kv_reserve="oracle")
+    return SimEngine(0, "fp16", cfg, ConstantStep(), num_kv_blocks=64, max_model_len=MAX_LEN,
+                     gpu_memory_total_bytes=1 << 30, num_buckets=len(BUCKETS))
+
+
+def test_deadline_order_allows_for_each_buckets_prefill() -> None:
+    engine = _prefill_engine()
+    adm = Admission([engine], BUCKETS, MAX_LEN, AdmissionConfig())
+    adm.configure(AdmissionDiscipline("deadline"), LATE_AFTER_S)
+    # the middle of 0-63 and 64-127, the lower edge of the open 128+: 32, 96 and 128 tokens
+    assert adm.late_margins_s == pytest.approx((0.02, 0.06, 0.08))
+    probe = [engine.prefill_time_s(Request(-1, 0.0, p, 1), p) for p in (32, 96, 128)]
+    assert adm.late_margins_s == tuple(t.alone_s for t in probe if t is not None)
+    adm.configure(AdmissionDiscipline("deadline"), 0.05)  # never more than the TTFT itself
+    assert adm.late_margins_s == pytest.approx((0.02, 0.05, 0.05))
+    adm.configure(AdmissionDiscipline("fifo"), LATE_AFTER_S)
+    assert adm.late_margins_s == (0.0, 0.0, 0.0)
+    off = Admission([engine], BUCKETS, MAX_LEN, AdmissionConfig(deadline_prefill=False))
+    off.configure(AdmissionDiscipline("deadline"), LATE_AFTER_S)
+    assert off.late_margins_s == (0.0, 0.0, 0.0)
+
+
+@pytest.mark.parametrize(("deadline_prefill", "first"), [(False, 0), (True, 1)])
+def test_a_long_prompt_is_late_once_its_prefill_no_longer_fits_the_ttft(
+        deadline_prefill: bool, first: int) -> None:
+    engine = _prefill_engine()
+    adm = Admission([engine], BUCKETS, MAX_LEN, AdmissionConfig(
+        deadline_prefill=deadline_prefill))
+    adm.configure(AdmissionDiscipline("deadline"), LATE_AFTER_S)
+    adm.apply(ControlAction((None,) * 3, ("fp16",) * 3))
+    adm.submit(Request(0, 0.0, 200, 5))  # 128+: allowed 0.08 s of prefill
+    adm.submit(Request(1, 0.05, 10, 5))  # 0-63: allowed 0.02 s
+    engine.advance_idle(1.95)
+    # request 0 waited 1.95 s (1.95 + 0.08 > 2: late), request 1 1.9 s (1.92: on time); by
+    # their waits alone both are on time and the older goes first
+    assert adm.admit(engine) == 1
+    assert _admitted(adm, 2) == [first]
+
+
 # ---------------------------------------------------------------- the KV budget
 def test_the_budget_holds_the_on_time_request_and_says_when_it_turns_late() -> None:
     # 67 blocks, each request ends on 17 (65 + 200 tokens): three fit, the fourth is held.
@@ -209,8 +252,10 @@ def test_the_budget_holds_the_on_time_request_and_says_when_it_turns_late() -> N
     adm.submit(Request(5, 3.0, 65, 200))  # on time: it goes before the late request 2
     adm.admit(engine)
     assert adm.budget_blocked and not adm.blocked_late
-    assert adm.order_change_s == turns_late_at(3.0, LATE_AFTER_S)
-    assert 5.0 <= adm.order_change_s <= math.nextafter(5.0, math.inf)
+    # late once its wait plus its bucket's prefill (one 10-ms step) passes the TTFT
+    assert adm.late_margins_s[0] == pytest.approx(0.01)
+    assert adm.order_change_s == turns_late_at(3.0, LATE_AFTER_S - adm.late_margins_s[0])
+    assert 4.99 <= adm.order_change_s <= math.nextafter(4.99, math.inf)
     # an on-time arrival ranks behind the held on-time request: it cannot run before it
     assert adm.leaves_running(Request(6, 3.1, 65, 200), engine, True)
 

@@ -129,7 +129,7 @@ def add_deployment_options(parser: argparse.ArgumentParser) -> None:
                    help="per-bucket admission queue bound (default unbounded)")
     add_flags(g, AdmissionConfig, only=("queue_ttl_s", "reject_ttft_slack",
                                         "max_num_queued_tokens", "max_retry_after_s",
-                                        "retry_overload"))
+                                        "retry_overload", "deadline_prefill"))
     g.add_argument("--clients", default="patient", metavar="MIX",
                    help="the clients behind the arrivals: patient (wait forever, never "
                         "retry), sdk (the openai client's defaults: 600-s timeout, 2 "
@@ -185,7 +185,8 @@ def deployment_spec_from_args(args: argparse.Namespace) -> DeploymentSpec:
                                   reject_ttft_slack=args.reject_ttft_slack,
                                   max_num_queued_tokens=args.max_num_queued_tokens,
                                   max_retry_after_s=args.max_retry_after_s,
-                                  retry_overload=args.retry_overload),
+                                  retry_overload=args.retry_overload,
+                                  deadline_prefill=args.deadline_prefill),
         clients=args.clients, clients_seed=getattr(args, "seed", 0),
         event_skipping=not args.no_event_skipping,
         enable_prefix_caching=not args.no_prefix_caching,

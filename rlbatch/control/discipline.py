@@ -9,8 +9,10 @@ ControlAction` carries only caps, routes and the total.
 Queue order (:data:`QueueOrder`):
 
 * ``fifo``: oldest first, as vLLM's own queue.
-* ``deadline``: a request that has waited longer than the SLA's TTFT (it can no longer meet
-  it) goes after every request that still can, oldest first within each class, and an engine
+* ``deadline``: a request that can no longer meet the SLA's TTFT (its wait plus its bucket's
+  predicted prefill is past it: :attr:`~rlbatch.serving.admission.AdmissionConfig.
+  deadline_prefill`) goes after every request that still can, oldest first within each
+  class, and an engine
   is given no more requests than it runs at once (its ``max_num_seqs``), so that requests
   wait in admission's queues, where the order applies, rather than in the engine's own FIFO
   queue. Under overload FIFO serves every request late; deadline order serves the ones that

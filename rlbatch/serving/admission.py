@@ -76,6 +76,11 @@ class AdmissionConfig:
         (429 here; vLLM answers 503); ``None`` = no bound.
     :param drain_window_s: the window over which the deployment's completion rate, the
         drain rate the TTFT prediction divides by, is measured.
+    :param deadline_prefill: under deadline order, a request is late once its wait plus
+        its bucket's predicted prefill (a typical prompt of the bucket on an idle engine)
+        passes the SLA's TTFT, not its wait alone: the TTFT it is judged on ends with its
+        first token, after its prefill. Engines that cannot predict a prefill (live ones,
+        the sidecar's upstreams) keep the wait alone.
     """
 
     over_length: OverLengthPolicy = "reject"
@@ -86,6 +91,7 @@ class AdmissionConfig:
     drain_window_s: float = 30.0
     max_retry_after_s: float | None = None
     retry_overload: bool = True
+    deadline_prefill: bool = True
 
     def __post_init__(self) -> None:
         if self.over_length not in ("reject", "truncate"):
@@ -218,7 +224,11 @@ class Admission:
         """The discipline in force (:meth:`configure`)."""
         self.late_after_s: float | None = None
         """The queue order in force: ``None`` FIFO, else deadline order, a request that has
-        waited longer than this (the SLA's TTFT) being late."""
+        waited longer than this (the SLA's TTFT) less its bucket's :attr:`late_margins_s`
+        being late."""
+        self.late_margins_s: tuple[float, ...] = (0.0,) * n
+        """Per bucket, what deadline order takes off the SLA's TTFT before a request counts
+        as late: its predicted prefill (:meth:`late_margins`; zeros without it)."""
         self.blocked_late = False
         """Under deadline order, the request the KV budget held back at the last
         :meth:`admit` was late: any on-time arrival would go before it."""
@@ -263,9 +273,35 @@ class Admission:
         self.kv_commit = "final" if budget is None else budget.commit
         self.late_after_s = (sla_ttft_s if discipline.order == "deadline"
                              and math.isfinite(sla_ttft_s) else None)
+        self.late_margins_s = (self.late_margins(self.late_after_s)
+                               if self.late_after_s is not None and self.config.deadline_prefill
+                               else (0.0,) * len(self.queues))
         if self.late_after_s is None:  # only deadline order's admit sets them
             self.order_change_s = math.inf
             self.blocked_late = False
+
+    def late_margins(self, late_after_s: float) -> tuple[float, ...]:
+        """Per bucket, the prefill deadline order allows for: the least over the engines of
+        the predicted prefill, on an idle engine, of the bucket's typical prompt (the middle
+        of a bounded bucket, the lower edge of the open top one: a cached prefix only
+        shortens it, so a request is never late before it must be), at most
+        ``late_after_s``; 0 where no engine predicts one.
+
+        :param late_after_s: the SLA's TTFT.
+        """
+        lows = (0, *self._edges)
+        margins = []
+        for b, low in enumerate(lows):
+            high = self._edges[b] if b < len(self._edges) else low
+            prompt = max(1, min((low + high) // 2, self.max_model_len - 1))
+            probe = Request(-1, 0.0, prompt, 1)
+            least = math.inf
+            for engine in self.engines:
+                t = engine.prefill_time_s(probe, prompt)
+                if t is not None:
+                    least = min(least, t.alone_s)
+            margins.append(min(least, late_after_s) if math.isfinite(least) else 0.0)
+        return tuple(margins)
 
     def apply(self, action: ControlAction) -> None:
         """Put a (guarded) action in force.
@@ -410,6 +446,7 @@ class Admission:
                   else self.kv_budget_fraction * engine.kv_capacity_tokens)
         # late: arrival_s < cutoff, waited longer than late_after_s (FIFO: none is late)
         cutoff = -math.inf if late_after_s is None else engine.now_s - late_after_s
+        margins = self.late_margins_s
         while True:
             if deadline and engine.num_unfinished_total() >= engine.max_num_seqs:
                 # no more than the engine runs at once: the rest wait here, in this order
@@ -428,8 +465,9 @@ class Admission:
                 index = 0
                 late = False
                 arrival = queue[0][0].arrival_s
-                if arrival < cutoff:  # its head is late: its oldest on-time request, if any
-                    index = first_on_time(queue, cutoff)
+                bucket_cutoff = cutoff + margins[b]
+                if arrival < bucket_cutoff:  # its head is late: its oldest on-time one, if any
+                    index = first_on_time(queue, bucket_cutoff)
                     late = index == len(queue)
                     if late:
                         index = 0
@@ -450,7 +488,8 @@ class Admission:
                     if late_after_s is not None:
                         self.blocked_late = best_late
                         if not best_late:
-                            self.order_change_s = turns_late_at(best_arrival, late_after_s)
+                            self.order_change_s = turns_late_at(
+                                best_arrival, late_after_s - margins[best])
                     return admitted
             if best_index:
                 del queue[best_index]
@@ -478,10 +517,11 @@ class Admission:
         """
         late_after_s = self.late_after_s
         ahead = 0
-        for queue in self.queues:
+        for b, queue in enumerate(self.queues):
             if queue:
                 ahead += len(queue) if late_after_s is None else (
-                    len(queue) - first_on_time(queue, now_s - late_after_s))
+                    len(queue) - first_on_time(queue,
+                                               now_s - late_after_s + self.late_margins_s[b]))
         buckets = range(len(self.queues))
         for engine in self.engines:
             ahead += sum(engine.num_waiting(b) for b in buckets)
