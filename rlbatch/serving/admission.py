@@ -229,6 +229,7 @@ class Admission:
         self.late_margins_s: tuple[float, ...] = (0.0,) * n
         """Per bucket, what deadline order takes off the SLA's TTFT before a request counts
         as late: its predicted prefill (:meth:`late_margins`; zeros without it)."""
+        self._late_after_b: tuple[float, ...] = ()
         self.blocked_late = False
         """Under deadline order, the request the KV budget held back at the last
         :meth:`admit` was late: any on-time arrival would go before it."""
@@ -276,6 +277,10 @@ class Admission:
         self.late_margins_s = (self.late_margins(self.late_after_s)
                                if self.late_after_s is not None and self.config.deadline_prefill
                                else (0.0,) * len(self.queues))
+        # one float per bucket, so that admit's test (arrival < now - late_after) and the
+        # skipping boundary (turns_late_at) round alike
+        self._late_after_b = (() if self.late_after_s is None else
+                              tuple([self.late_after_s - m for m in self.late_margins_s]))
         if self.late_after_s is None:  # only deadline order's admit sets them
             self.order_change_s = math.inf
             self.blocked_late = False
@@ -420,9 +425,10 @@ class Admission:
         fit, nothing younger overtakes it (no bucket starves).
 
         Under deadline order (:attr:`late_after_s`) the candidate of each bucket is its
-        oldest request that has not waited longer than ``late_after_s``, else its oldest
-        request, and on-time candidates go before late ones across buckets (oldest first
-        within each class); the KV budget holds the chosen one back as above. The engine
+        oldest request that has not waited longer than ``late_after_s`` less its bucket's
+        :attr:`late_margins_s`, else its oldest request, and on-time candidates go before
+        late ones across buckets (oldest first within each class); the KV budget holds the
+        chosen one back as above. The engine
         is then given no more requests than it runs at once (its ``max_num_seqs``): the
         rest wait here, where the order applies, not in the engine's own FIFO queue.
 
@@ -444,9 +450,8 @@ class Admission:
         pool = engine.pool
         budget = (None if self.kv_budget_fraction is None
                   else self.kv_budget_fraction * engine.kv_capacity_tokens)
-        # late: arrival_s < cutoff, waited longer than late_after_s (FIFO: none is late)
-        cutoff = -math.inf if late_after_s is None else engine.now_s - late_after_s
-        margins = self.late_margins_s
+        now_s = engine.now_s
+        late_after_b = self._late_after_b
         while True:
             if deadline and engine.num_unfinished_total() >= engine.max_num_seqs:
                 # no more than the engine runs at once: the rest wait here, in this order
@@ -465,9 +470,10 @@ class Admission:
                 index = 0
                 late = False
                 arrival = queue[0][0].arrival_s
-                bucket_cutoff = cutoff + margins[b]
-                if arrival < bucket_cutoff:  # its head is late: its oldest on-time one, if any
-                    index = first_on_time(queue, bucket_cutoff)
+                # late: arrived before cutoff, waited longer than its bucket's late_after
+                cutoff = now_s - late_after_b[b] if deadline else -math.inf
+                if arrival < cutoff:  # its head is late: its oldest on-time request, if any
+                    index = first_on_time(queue, cutoff)
                     late = index == len(queue)
                     if late:
                         index = 0
@@ -488,8 +494,8 @@ class Admission:
                     if late_after_s is not None:
                         self.blocked_late = best_late
                         if not best_late:
-                            self.order_change_s = turns_late_at(
-                                best_arrival, late_after_s - margins[best])
+                            self.order_change_s = turns_late_at(best_arrival,
+                                                                late_after_b[best])
                     return admitted
             if best_index:
                 del queue[best_index]
@@ -520,8 +526,7 @@ class Admission:
         for b, queue in enumerate(self.queues):
             if queue:
                 ahead += len(queue) if late_after_s is None else (
-                    len(queue) - first_on_time(queue,
-                                               now_s - late_after_s + self.late_margins_s[b]))
+                    len(queue) - first_on_time(queue, now_s - self._late_after_b[b]))
         buckets = range(len(self.queues))
         for engine in self.engines:
             ahead += sum(engine.num_waiting(b) for b in buckets)
