@@ -424,19 +424,15 @@ class Admission:
         budget admission is FIFO across buckets: when the oldest eligible request does not
         fit, nothing younger overtakes it (no bucket starves).
 
-        Under deadline order (:attr:`late_after_s`) the candidate of each bucket is its
-        oldest request that has not waited longer than ``late_after_s`` less its bucket's
-        :attr:`late_margins_s`, else its oldest request, and on-time candidates go before
-        late ones across buckets (oldest first within each class); the KV budget holds the
-        chosen one back as above. The engine
-        is then given no more requests than it runs at once (its ``max_num_seqs``): the
-        rest wait here, where the order applies, not in the engine's own FIFO queue.
+        Under deadline order (:attr:`late_after_s`) the next request is chosen by
+        :meth:`_next_in_order` and the KV budget holds it back as above. The engine is then
+        given no more requests than it runs at once (its ``max_num_seqs``): the rest wait
+        here, where the order applies, not in the engine's own FIFO queue.
 
         :param engine: an engine of this deployment.
         :returns: the number admitted.
         """
-        late_after_s = self.late_after_s
-        deadline = late_after_s is not None
+        deadline = self.late_after_s is not None
         if deadline:
             self.order_change_s = math.inf
             self.blocked_late = False
@@ -445,43 +441,14 @@ class Admission:
         if not any(queues):
             self.budget_blocked = False
             return 0
-        caps = self.caps
-        routes = self.routes
-        pool = engine.pool
         budget = (None if self.kv_budget_fraction is None
                   else self.kv_budget_fraction * engine.kv_capacity_tokens)
-        now_s = engine.now_s
-        late_after_b = self._late_after_b
         while True:
             if deadline and engine.num_unfinished_total() >= engine.max_num_seqs:
                 # no more than the engine runs at once: the rest wait here, in this order
                 self.budget_blocked = False
                 return admitted
-            best = -1
-            best_index = 0
-            best_late = False
-            best_arrival = 0.0
-            for b, queue in enumerate(queues):
-                if not queue or (routes[b] != pool and routes[b] != ANY_POOL):
-                    continue
-                cap = caps[b]
-                if cap is not None and engine.num_unfinished(b) >= cap:
-                    continue
-                index = 0
-                late = False
-                arrival = queue[0][0].arrival_s
-                # late: arrived before cutoff, waited longer than its bucket's late_after
-                cutoff = now_s - late_after_b[b] if deadline else -math.inf
-                if arrival < cutoff:  # its head is late: its oldest on-time request, if any
-                    index = first_on_time(queue, cutoff)
-                    late = index == len(queue)
-                    if late:
-                        index = 0
-                    else:
-                        arrival = queue[index][0].arrival_s
-                if best < 0 or (late == best_late and arrival < best_arrival) or (
-                        best_late and not late):
-                    best, best_index, best_late, best_arrival = b, index, late, arrival
+            best, best_index, best_late, best_arrival = self._next_in_order(engine)
             if best < 0:
                 self.budget_blocked = False
                 return admitted
@@ -491,11 +458,11 @@ class Admission:
                 need = engine.kv_tokens_to_admit(request, best, prompt)
                 if engine.kv_budget_exceeded(need, self.kv_commit, budget):
                     self.budget_blocked_in_tick = self.budget_blocked = True
-                    if late_after_s is not None:
+                    if deadline:
                         self.blocked_late = best_late
                         if not best_late:
                             self.order_change_s = turns_late_at(best_arrival,
-                                                                late_after_b[best])
+                                                                self._late_after_b[best])
                     return admitted
             if best_index:
                 del queue[best_index]
@@ -504,6 +471,50 @@ class Admission:
             self.queued_prompt_tokens -= prompt
             engine.add_request(request, best, prompt, truncated)
             admitted += 1
+
+    def _next_in_order(self, engine: Engine) -> tuple[int, int, bool, float]:
+        """The request ``engine`` takes next: ``(bucket, index in its queue, late, arrival)``,
+        bucket ``-1`` when no queue routed to its pool has one under its cap.
+
+        Each bucket's candidate is its head under FIFO; under deadline order its oldest
+        request that has not waited longer than :attr:`late_after_s` less the bucket's
+        :attr:`late_margins_s`, else its head (late). On-time candidates go before late
+        ones, the oldest first within each class.
+
+        :param engine: the engine admitting.
+        """
+        deadline = self.late_after_s is not None
+        caps = self.caps
+        routes = self.routes
+        pool = engine.pool
+        now_s = engine.now_s
+        late_after_b = self._late_after_b
+        best = -1
+        best_index = 0
+        best_late = False
+        best_arrival = 0.0
+        for b, queue in enumerate(self.queues):
+            if not queue or (routes[b] != pool and routes[b] != ANY_POOL):
+                continue
+            cap = caps[b]
+            if cap is not None and engine.num_unfinished(b) >= cap:
+                continue
+            index = 0
+            late = False
+            arrival = queue[0][0].arrival_s
+            # late: arrived before cutoff, waited longer than its bucket's late_after
+            cutoff = now_s - late_after_b[b] if deadline else -math.inf
+            if arrival < cutoff:  # its head is late: its oldest on-time request, if any
+                index = first_on_time(queue, cutoff)
+                late = index == len(queue)
+                if late:
+                    index = 0
+                else:
+                    arrival = queue[index][0].arrival_s
+            if best < 0 or (late == best_late and arrival < best_arrival) or (
+                    best_late and not late):
+                best, best_index, best_late, best_arrival = b, index, late, arrival
+        return best, best_index, best_late, best_arrival
 
     def note_finished(self, finish_times_s: Iterable[float]) -> None:
         """Count completions for the drain rate (:mod:`rlbatch.serving.overload`), which only
