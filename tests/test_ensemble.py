@@ -10,6 +10,7 @@ import pytest
 
 from policies.artifact import ArtifactError, PolicyArtifact, load_artifact
 from policies.ppo import PpoController
+from policies.training.ensemble import main as ensemble_main
 from policies.training.ensemble import merge, save_ensemble
 from policies.training.recipe import RecipeConfig, build_student, export_student
 from rlbatch.serving.deployment import DeploymentSpec
@@ -73,3 +74,24 @@ def test_members_that_disagree_are_refused(tmp_path: Path) -> None:
         merge([load_artifact(full[0]), load_artifact(total_only[0])])
     with pytest.raises(ArtifactError, match="at least one member"):
         merge([])
+
+
+def test_the_command_merges_members_and_refuses_what_it_cannot(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    paths = _students(tmp_path, (0, 1))
+    out = tmp_path / "merged"
+    assert ensemble_main([str(p) for p in paths] + ["--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out / "policy.json")
+    obs = _observations(load_artifact(out))
+    np.testing.assert_array_equal(load_artifact(out).act(obs), merge(
+        [load_artifact(p) for p in paths]).act(obs))
+    with pytest.raises(SystemExit):  # an artifact is there already
+        ensemble_main([str(p) for p in paths] + ["--out", str(out)])
+    assert "already holds an artifact" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ensemble_main([str(paths[0]), "--out", str(tmp_path / "one")])
+    assert "at least two members" in capsys.readouterr().err
+    assert ensemble_main([str(paths[0]), str(tmp_path / "missing"), "--out",
+                          str(tmp_path / "bad")]) == 2
+    assert "policy artifact not found" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()

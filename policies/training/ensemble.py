@@ -12,6 +12,8 @@ heads side by side divided by their number. So serving needs nothing new
 
 from __future__ import annotations
 
+import argparse
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ import numpy as np
 from scipy.linalg import block_diag
 
 from policies.artifact import ArtifactError, PolicyArtifact, load_artifact, save_artifact
+from policies.ppo import resolve_policy
 
 # metadata that must agree for the members to read the same observation and act in the
 # same action space behind the same guard
@@ -74,3 +77,34 @@ def save_ensemble(paths: Sequence[str | Path], out: Path,
               for p, m in zip(paths, members, strict=True)]
     return save_artifact(out, merged.hidden, merged.head,
                          {**merged.metadata, "ensemble_members": record, **(extra or {})})
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m policies.training.ensemble",
+        description="Merge trained policy artifacts (e.g. the seeds of one recipe) into one "
+        "artifact whose action logits are the mean of theirs; serve it as ppo:OUT.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("members", nargs="+",
+                   help="artifact folders or policy.json files, or shipped policies by name "
+                        "(default, seeds/seed1), at least two")
+    p.add_argument("--out", type=Path, required=True,
+                   help="folder to write policy.json and policy.safetensors to")
+    p.add_argument("--force", action="store_true", help="overwrite an artifact in OUT")
+    args = p.parse_args(argv)
+    if len(args.members) < 2:
+        p.error("an ensemble needs at least two members")
+    if (args.out / "policy.json").exists() and not args.force:
+        p.error(f"{args.out} already holds an artifact (--force to overwrite)")
+    try:
+        path = save_ensemble([resolve_policy(m) for m in args.members], args.out,
+                             {"phase": "ensemble"})
+    except ArtifactError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
