@@ -9,17 +9,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from policies.rules import GuardedController
 from rlbatch.buckets import Buckets
-from rlbatch.control.controllers import make_controller
+from rlbatch.control.controllers import balanced_route, make_controller
 from rlbatch.control.discipline import AdmissionDiscipline
 from rlbatch.control.guard import RULES, Guard, GuardConfig
 from rlbatch.control.pipeline import DecisionPipeline
 from rlbatch.control.types import SLA, ControlAction, DeploymentInfo, DeploymentStats, WindowStats
 from rlbatch.engine.stats import EngineStats
+from rlbatch.serving.admission import AdmissionConfig
 from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.serving.run import run
 from rlbatch.workload import load_trace
 from rlbatch.workload.scenarios import SCENARIOS, make_scenario
+from rlbatch.workload.spec import resolve_workload
 
 INFO = DeploymentInfo(buckets=Buckets(), pools={"fp16": 1, "fp8": 1}, gpu="a100-80g",
                       model="llama-2-7b", default_max_num_seqs=256, max_num_batched_tokens=2048,
@@ -211,6 +214,37 @@ def test_guard_keeps_random_policy_free_of_kv_overflow_on_traces(
     unguarded = run(workload, make_controller("vllm-default"), spec, drain_s=60).row
     if trace.startswith("azure"):
         assert unguarded["kv_overflows"] > 0  # the load does overflow without the guard
+
+
+class HoldThenRelease(GuardedController):
+    """A policy that holds a total of 8 for the first 30 s of every 300 s and proposes 256
+    the rest of the time, in deadline order: the queue it builds is released at once."""
+
+    def __init__(self) -> None:
+        super().__init__("hold-then-release", order="deadline")
+
+    def propose(self, stats: DeploymentStats | None) -> ControlAction:
+        assert self.info is not None
+        n = len(self.info.buckets)
+        held = stats is None or stats.time_s % 300 < 30
+        return ControlAction((None,) * n, (balanced_route(self.info.pool_names),) * n,
+                             8 if held else 256)
+
+
+@pytest.mark.parametrize("forget_on_shift", [True, False])
+def test_guard_keeps_a_held_queue_released_after_a_turn_to_longer_outputs_in_the_pool(
+        forget_on_shift: bool) -> None:
+    """Code completion (tens of output tokens) turns to chat (hundreds) every 300 s; the
+    queue held through the turn enters at once, counted by outputs seen before it."""
+    workload = resolve_workload("drift:families=code/chat,load=1,duration=1200,segment=300",
+                                7002, rate_scale=1.2)
+    spec = DeploymentSpec(sla=SLA(1.0, 0.05), kv_reserve_shift=forget_on_shift,
+                          admission=AdmissionConfig(over_length="truncate"))
+    row = run(workload, HoldThenRelease(), spec, drain_s=60).row
+    if forget_on_shift:
+        assert row["kv_overflows"] == 0 and row["preemptions"] == 0
+    else:  # the run does outgrow the pool when the reserve keeps its whole window
+        assert row["kv_overflows"] > 0
 
 
 def test_p99_decrease_waits_for_the_window_to_show_its_effect() -> None:

@@ -64,7 +64,9 @@ def test_prior_gives_way_to_the_observed_quantile() -> None:
 
 
 def test_observed_reserves_the_bucket_quantile_once_it_has_enough_completions() -> None:
-    reserve = OutputReserve("observed", 2, 16, MAX_LEN, quantile=0.9, min_samples=16)
+    # outputs rising 1..100 are a turn to longer answers: without the shift rule here
+    reserve = OutputReserve("observed", 2, 16, MAX_LEN, quantile=0.9, min_samples=16,
+                            shift_trigger=None)
     for out in range(1, 16):
         reserve.observe(0, out)
     assert reserve.expected_output(0) is None  # 15 < min_samples
@@ -102,6 +104,52 @@ def test_quantile_is_the_one_of_the_sorted_window(outs: list[tuple[int, int]],
         pick = own if len(own) >= 4 else pooled if len(pooled) >= 4 else None
         expected = None if pick is None else pick[min(len(pick) - 1, int(quantile * len(pick)))]
         assert r.expected_output(bucket) == expected
+
+
+def test_a_turn_to_longer_outputs_forgets_the_history_before_it() -> None:
+    reserve = OutputReserve("observed", 2, 16, MAX_LEN)  # 0.9, 256 kept, 6 of the last 16
+    plain = OutputReserve("observed", 2, 16, MAX_LEN, shift_trigger=None)
+    for r in (reserve, plain):
+        for _ in range(256):
+            r.observe(0, 50)
+        for _ in range(5):
+            r.observe(0, 400)
+    assert reserve.expected_output(0) == 50 and len(reserve._history[0]) == 256
+    twin = reserve.fork()
+    reserve.observe(0, 400)  # the sixth of the last 16 past the quantile (50)
+    assert list(reserve._history[0]) == [50] * 10 + [400] * 6
+    assert reserve.expected_output(0) == 400  # index int(0.9 x 16) of 10 x 50, 6 x 400
+    assert list(reserve._history[-1]) == [50] * 10 + [400] * 6  # the pooled history too
+    assert reserve.expected_output(1) == 400
+    assert len(twin._history[0]) == 256 and twin.expected_output(0) == 50  # forks apart
+    # without the rule the window turns only once 10% of it is long: 26 completions
+    plain.observe(0, 400)
+    assert plain.expected_output(0) == 50
+    for _ in range(19):
+        plain.observe(0, 400)
+    assert plain.expected_output(0) == 50  # 25 long
+    plain.observe(0, 400)
+    assert plain.expected_output(0) == 400 and len(plain._history[0]) == 256
+
+
+def test_steady_or_shortening_outputs_keep_the_whole_window() -> None:
+    reserve = OutputReserve("observed", 1, 16, MAX_LEN)
+    lengths = []
+    for i in range(2000):  # 1..100 in a fixed shuffle: 10% past the 0.9-quantile
+        reserve.observe(0, (37 * i) % 100 + 1)
+        lengths.append(len(reserve._history[0]))
+    for _ in range(256):  # a turn to shorter answers
+        reserve.observe(0, 3)
+        lengths.append(len(reserve._history[0]))
+    assert lengths[255:] == [256] * (len(lengths) - 255)
+    assert reserve.expected_output(0) == 3
+
+
+@pytest.mark.parametrize("bad", [{"shift_trigger": 0}, {"shift_trigger": 17},
+                                 {"shift_window": 300}])
+def test_bad_shift_settings_are_refused(bad: dict[str, int]) -> None:
+    with pytest.raises(ValueError, match="shift_trigger"):
+        OutputReserve("observed", 1, 16, MAX_LEN, **bad)  # type: ignore[arg-type]
 
 
 @given(prompt=st.integers(1, 300), reserve_out=st.integers(0, 200), cap_out=st.integers(1, 200))

@@ -60,7 +60,10 @@ Rules, applied in this order to the proposed caps (each only ever lowers a cap):
     buckets at the total so that their requests go through admission and its budget. The
     guide's ">= 20% headroom for context growth" is reserved per request here: a request is
     counted at a high quantile of its bucket's recent outputs, and at twice what it has
-    generated once it runs longer, so the admitted set rarely outgrows the pool. A flat 80%
+    generated once it runs longer, so the admitted set rarely outgrows the pool; when the
+    traffic turns to longer answers, the bucket's history forgets the outputs from before
+    the turn as soon as its recent completions show it (a queue held through the turn and
+    released at once otherwise enters counted at the old traffic's outputs). A flat 80%
     on top of that reserved the growth twice and cost up to 40% goodput at the knee
     (BENCHMARKS.md). The engines can count the declared ``max_tokens`` instead
     (``declared``: exact, but clients that send none or a generous one starve the pool) or,

@@ -46,6 +46,8 @@ class EngineConfig:
         it runs), ``declared`` (its ``max_tokens``, or the rest of the context) or ``oracle``
         (its real output: simulator comparisons only).
     :param kv_reserve_quantile: output quantile ``observed`` reserves at admission.
+    :param kv_reserve_shift: ``observed`` forgets a bucket's older outputs when its recent
+        completions show a turn to longer answers (:mod:`rlbatch.engine.reserve`).
     :param enable_prefix_caching: vLLM's automatic prefix caching (on by default in vLLM V1):
         a request's leading prompt blocks that the KV pool still holds skip prefill
         (:mod:`rlbatch.engine.prefix_cache`; only requests with prefix information, such as
@@ -66,6 +68,7 @@ class EngineConfig:
     num_kv_blocks_override: int | None = None
     kv_reserve: KvReserveMode = "observed"
     kv_reserve_quantile: float = 0.9
+    kv_reserve_shift: bool = True
     enable_prefix_caching: bool = True
     kv_offload_gib: float = 0.0
 

@@ -18,7 +18,18 @@ trace. ``observed`` (the default) counts what the engine's own recent completion
 * a running request that has generated ``g`` tokens counts at least ``prompt + 2 g`` (a
   request that already ran long is likely to run as long again: output lengths are heavy
   tailed), capped at its limit. This is a pure function of the request's state, so event
-  skipping and stepping give the same figure.
+  skipping and stepping give the same figure;
+* when the traffic turns to longer answers, a window of past completions lags it, and more
+  so than its size says: the first new requests to finish are the new traffic's shortest.
+  A history whose recent completions ran past its own quantile far more often than the
+  quantile allows (``shift_trigger`` of the last ``shift_window``; at the defaults, 6 of 16
+  where a steady 0.9-quantile expects 1.6, a false alarm on 0.3% of windows) forgets all
+  but those completions, so the next admissions count what the new traffic needs. Without
+  it, a queue held back through a turn from code completion (tens of output tokens) to
+  chat (hundreds) entered at a total of 256 counted at 75% of what it would generate; the
+  pool overflowed five seconds later (six preemptions behind the guard; BENCHMARKS.md). A
+  turn to shorter answers needs no such rule: the budget is then conservative, not unsafe,
+  until the window turns over.
 
 The budget is then an estimate, not a guarantee: a burst of unusually long answers can still
 outgrow the pool (vLLM preempts), which the ``kv_high`` rule watches. Preemptions are counted
@@ -54,6 +65,8 @@ from typing import Literal
 from rlbatch.request import Request
 
 PRIOR_OUTPUT_TOKENS = 4096
+SHIFT_WINDOW = 16
+SHIFT_TRIGGER = 6
 KvReserveMode = Literal["observed", "declared", "oracle"]
 KV_RESERVE_MODES: tuple[KvReserveMode, ...] = ("observed", "declared", "oracle")
 KvCommitMode = Literal["final", "peak"]
@@ -161,17 +174,29 @@ class OutputReserve:
     :param min_samples: completions a bucket needs before its quantile is trusted.
     :param prior_output_tokens: output tokens reserved (``observed``) while no history has
         ``min_samples`` completions yet.
+    :param shift_window: the recent completions a history watches for a turn to longer
+        outputs (the module docstring).
+    :param shift_trigger: how many of them, each longer than the history's quantile when it
+        finished, make the history forget all but them (``None``: never).
     """
 
     def __init__(self, mode: KvReserveMode, num_buckets: int, block_size: int,
                  max_model_len: int, *, quantile: float = 0.9, window: int = 256,
-                 min_samples: int = 16, prior_output_tokens: int = PRIOR_OUTPUT_TOKENS) -> None:
+                 min_samples: int = 16, prior_output_tokens: int = PRIOR_OUTPUT_TOKENS,
+                 shift_window: int = SHIFT_WINDOW,
+                 shift_trigger: int | None = SHIFT_TRIGGER) -> None:
         check_kv_reserve(mode, quantile)
         if window < 1 or not 1 <= min_samples <= window:
             raise ValueError(f"need window >= 1 and 1 <= min_samples <= window, got "
                              f"window={window}, min_samples={min_samples}")
         if prior_output_tokens < 1:
             raise ValueError(f"prior_output_tokens must be >= 1, got {prior_output_tokens}")
+        if shift_trigger is not None and not 1 <= shift_trigger <= shift_window <= window:
+            raise ValueError(f"need 1 <= shift_trigger <= shift_window <= window, got "
+                             f"shift_trigger={shift_trigger}, shift_window={shift_window}, "
+                             f"window={window}")
+        self.shift_window = shift_window
+        self.shift_trigger = shift_trigger
         self.prior_output_tokens = prior_output_tokens
         self.mode: KvReserveMode = mode
         self.block_size = block_size
@@ -185,6 +210,11 @@ class OutputReserve:
         self._sorted: list[list[int]] = [[] for _ in range(num_buckets + 1)]
         # Quantiles are re-read only after new completions (a cache per history).
         self._cached: list[int | None] = [None] * (num_buckets + 1)
+        # per history: whether each of its last shift_window completions ran past the
+        # quantile in force when it finished, and how many did
+        self._past: list[deque[bool]] = [deque(maxlen=shift_window)
+                                         for _ in range(num_buckets + 1)]
+        self._num_past = [0] * (num_buckets + 1)
 
     def fork(self) -> OutputReserve:
         """An independent copy (a digital twin's engine fork must not feed the original)."""
@@ -193,6 +223,8 @@ class OutputReserve:
         new._history = [deque(h, maxlen=h.maxlen) for h in self._history]
         new._sorted = [list(s) for s in self._sorted]
         new._cached = list(self._cached)
+        new._past = [deque(p, maxlen=p.maxlen) for p in self._past]
+        new._num_past = list(self._num_past)
         return new
 
     def observe(self, bucket: int, output_tokens: int) -> None:
@@ -201,11 +233,43 @@ class OutputReserve:
             for index in (bucket, -1):
                 history = self._history[index]
                 ordered = self._sorted[index]
+                if self.shift_trigger is not None:
+                    self._watch_shift(index, output_tokens)
                 if len(history) == history.maxlen:
                     del ordered[bisect.bisect_left(ordered, history[0])]
                 history.append(output_tokens)
                 bisect.insort(ordered, output_tokens)
                 self._cached[index] = None
+                if (self.shift_trigger is not None
+                        and self._num_past[index] >= self.shift_trigger):
+                    self._forget_before_shift(index)
+
+    def _quantile_of(self, index: int) -> int | None:
+        ordered = self._sorted[index]
+        if len(ordered) < self.min_samples:
+            return None
+        return ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
+
+    def _watch_shift(self, index: int, output_tokens: int) -> None:
+        """Note whether a completion ran past its history's quantile (before it joins it)."""
+        past = self._past[index]
+        if len(past) == past.maxlen and past[0]:
+            self._num_past[index] -= 1
+        quantile = self._quantile_of(index)
+        ran_past = quantile is not None and output_tokens > quantile
+        past.append(ran_past)
+        self._num_past[index] += ran_past
+
+    def _forget_before_shift(self, index: int) -> None:
+        """The history keeps only the completions that showed the turn."""
+        history = self._history[index]
+        if len(history) > self.shift_window:
+            kept = list(history)[-self.shift_window:]
+            history.clear()
+            history.extend(kept)
+            self._sorted[index] = sorted(kept)
+        self._past[index].clear()
+        self._num_past[index] = 0
 
     def expected_output(self, bucket: int) -> int | None:
         """The output tokens reserved at admission for ``bucket``: its own quantile, else
@@ -214,9 +278,8 @@ class OutputReserve:
             cached = self._cached[index]
             if cached is not None:
                 return cached
-            ordered = self._sorted[index]
-            if len(ordered) >= self.min_samples:
-                value = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
+            value = self._quantile_of(index)
+            if value is not None:
                 self._cached[index] = value
                 return value
         return None
@@ -287,3 +350,9 @@ class OutputReserve:
             return 1 << 62
         # grown > reserved  <=>  prompt + 2 g > reserved
         return max((reserved - prompt_tokens) // 2 + 1, 0)
+
+
+def shift_trigger(enabled: bool) -> int | None:
+    """The :class:`OutputReserve` ``shift_trigger`` of an engine setting ``kv_reserve_shift``
+    (on: :data:`SHIFT_TRIGGER`; off: ``None``)."""
+    return SHIFT_TRIGGER if enabled else None

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 from rlbatch.engine.config import EngineConfig
 from rlbatch.engine.host_tier import HostLink
-from rlbatch.engine.reserve import OutputReserve
+from rlbatch.engine.reserve import OutputReserve, shift_trigger
 from rlbatch.engine.sim_caches import CacheScheduler
 from rlbatch.engine.sim_seq import SimSeq
 from rlbatch.engine.stats import AbortedRequest, FinishedRequest
@@ -96,7 +96,8 @@ class ExactScheduler(CacheScheduler):
         # SimEngine.kv_budget_exceeded may reuse a figure over the budget.
         self._kv_version = 0
         self._reserve = OutputReserve(config.kv_reserve, num_buckets, config.block_size,
-                                      max_model_len, quantile=config.kv_reserve_quantile)
+                                      max_model_len, quantile=config.kv_reserve_quantile,
+                                      shift_trigger=shift_trigger(config.kv_reserve_shift))
         self._decode_coeffs: dict[int, tuple[float, float]] = {}
         # engine overheads (calibrated profiles only): the finished requests' processing due
         # in the next iteration, the idle time before it (an engine starts cold), the wake-up

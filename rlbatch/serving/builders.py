@@ -101,6 +101,7 @@ def build_sim_deployment(spec: DeploymentSpec) -> Deployment:
             num_kv_blocks_override=spec.num_kv_blocks,
             kv_reserve=spec.kv_reserve,
             kv_reserve_quantile=spec.kv_reserve_quantile,
+            kv_reserve_shift=spec.kv_reserve_shift,
             enable_prefix_caching=spec.enable_prefix_caching,
             kv_offload_gib=spec.kv_offload_gib,
         )
@@ -152,7 +153,7 @@ def profile_sim_engine(profile: CalibratedProfile, pool: str, engine_id: int,
                        num_kv_blocks: int | None = None, event_skipping: bool = True,
                        start_s: float = 0.0, max_model_len: int | None = None,
                        kv_reserve: KvReserveMode = "observed",
-                       kv_reserve_quantile: float = 0.9,
+                       kv_reserve_quantile: float = 0.9, kv_reserve_shift: bool = True,
                        enable_prefix_caching: bool = True) -> SimEngine:
     """A simulated engine standing in for ``pool``'s live engine of a calibrated profile.
 
@@ -168,11 +169,13 @@ def profile_sim_engine(profile: CalibratedProfile, pool: str, engine_id: int,
     :param max_model_len: a shorter context than the measured engine's.
     :param kv_reserve: how the KV budget counts a request (:mod:`rlbatch.engine.reserve`).
     :param kv_reserve_quantile: output quantile ``observed`` reserves.
+    :param kv_reserve_shift: ``observed`` forgets older outputs at a turn to longer ones.
     :param enable_prefix_caching: the simulator's prefix caching.
     """
     config = replace(profile_engine_config(profile, pool, max_num_seqs=max_num_seqs,
                                            max_num_batched_tokens=max_num_batched_tokens),
                      kv_reserve=kv_reserve, kv_reserve_quantile=kv_reserve_quantile,
+                     kv_reserve_shift=kv_reserve_shift,
                      enable_prefix_caching=enable_prefix_caching)
     return SimEngine(
         engine_id=engine_id, pool=pool, config=config,
@@ -211,6 +214,7 @@ def build_profile_deployment(spec: DeploymentSpec,
                 num_kv_blocks=spec.num_kv_blocks, event_skipping=spec.event_skipping,
                 max_model_len=max_model_len, kv_reserve=spec.kv_reserve,
                 kv_reserve_quantile=spec.kv_reserve_quantile,
+                kv_reserve_shift=spec.kv_reserve_shift,
                 enable_prefix_caching=spec.enable_prefix_caching)
             engines.append(eng)
     first = engines[0]
@@ -258,7 +262,8 @@ def live_config_from_spec(spec: DeploymentSpec,
         num_kv_blocks=spec.num_kv_blocks if spec.num_kv_blocks is not None
         else config.num_kv_blocks,
         gpu_memory_utilization=spec.gpu_memory_utilization, kv_cache_memory_bytes=kv_bytes,
-        kv_reserve=spec.kv_reserve, kv_reserve_quantile=spec.kv_reserve_quantile)
+        kv_reserve=spec.kv_reserve, kv_reserve_quantile=spec.kv_reserve_quantile,
+        kv_reserve_shift=spec.kv_reserve_shift)
 
 
 def build_live_deployment(spec: DeploymentSpec, config: VllmEngineConfig | None = None, *,

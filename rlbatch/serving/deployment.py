@@ -54,6 +54,8 @@ class DeploymentSpec:
     :param kv_reserve: how the KV budget counts a request (``observed``, ``declared``,
         ``oracle``; :mod:`rlbatch.engine.reserve`).
     :param kv_reserve_quantile: output quantile ``observed`` reserves at admission.
+    :param kv_reserve_shift: ``observed`` forgets a bucket's older outputs when its recent
+        completions show a turn to longer answers (:mod:`rlbatch.engine.reserve`).
     :param enable_prefix_caching: the simulated engines cache prompt prefixes as vLLM V1
         does by default (``EngineConfig.enable_prefix_caching``); live engines keep it off.
     :param kv_offload_gib: host memory of each simulated engine's KV tier, GiB (vLLM's
@@ -85,6 +87,7 @@ class DeploymentSpec:
     profile: str | None = None
     kv_reserve: KvReserveMode = "observed"
     kv_reserve_quantile: float = 0.9
+    kv_reserve_shift: bool = True
     enable_prefix_caching: bool = True
     kv_offload_gib: float = 0.0
     clients: str = "patient"

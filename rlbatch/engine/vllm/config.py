@@ -59,6 +59,8 @@ class VllmEngineConfig:
     :param kv_reserve: how the admission budget counts a request's KV (as the simulator's
         :class:`~rlbatch.engine.config.EngineConfig`).
     :param kv_reserve_quantile: output quantile ``observed`` reserves at admission.
+    :param kv_reserve_shift: ``observed`` forgets a bucket's older outputs when its recent
+        completions show a turn to longer answers (:mod:`rlbatch.engine.reserve`).
     :param enable_prefix_caching: vLLM's automatic prefix caching. Off by default: prompts
         without ``prefix_ids`` are cut from one token pool at offsets by request id, so any
         hit would be accidental; requests with ``prefix_ids`` get the tokens those ids name
@@ -82,6 +84,7 @@ class VllmEngineConfig:
     quiet: bool = True
     kv_reserve: KvReserveMode = "observed"
     kv_reserve_quantile: float = 0.9
+    kv_reserve_shift: bool = True
     enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:

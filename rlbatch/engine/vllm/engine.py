@@ -59,7 +59,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from rlbatch.engine.base import PrefillTime, kv_budget_exceeded
-from rlbatch.engine.reserve import KvCommitMode, OutputReserve, peak_commitment
+from rlbatch.engine.reserve import KvCommitMode, OutputReserve, peak_commitment, shift_trigger
 from rlbatch.engine.stats import AbortedRequest, EngineStats, FinishedRequest
 from rlbatch.engine.telemetry import MemoryTelemetry
 from rlbatch.engine.vllm.clock import LiveClock
@@ -167,7 +167,8 @@ class VllmEngine:
         self._by_vllm: dict[str, _Live] = {}
         self._unfinished = [0] * num_buckets
         self._reserve = OutputReserve(config.kv_reserve, num_buckets, self.block_size,
-                                      self.max_model_len, quantile=config.kv_reserve_quantile)
+                                      self.max_model_len, quantile=config.kv_reserve_quantile,
+                                      shift_trigger=shift_trigger(config.kv_reserve_shift))
         self._now = clock.now()
         # wake-up bookkeeping (what calibration measures the wake penalty on): when the last
         # iteration ended (monotonic), the idle time before the current busy period, and
