@@ -38,7 +38,8 @@ attainment against the best static's 78%; docs/notebook/BENCHMARKS-archive.md).
 
 Choice: among candidates within ``switch_margin`` + 1% of the replayed requests of the best
 score, the largest total (then the fewest trims); while requests already wait past the TTFT
-limit the total never shrinks. Both rules come from Azure 0.75, where a smaller total scored a
+limit the total never shrinks, unless most requests finish past the SLA's TPOT (then the batch
+itself makes them late). Both rules come from Azure 0.75, where a smaller total scored a
 little better over 60 s in a backlog and then let it grow for minutes (2.45 -> 3.14 goodput/s).
 """
 
@@ -100,6 +101,13 @@ class MpcConfig:
         lower the total (a smaller total looks fine over a short horizon, where every
         candidate misses the same queued requests, and then lets the backlog grow for
         minutes: measured on Azure 0.75).
+    :param shrink_past_tpot: ``no_shrink_when_late`` gives way while most requests finish
+        past the SLA's TPOT limit (over half of them, counted with the attainment's decay):
+        the batch itself then makes them miss, and holding the total kept ``mpc`` at 256 for
+        whole runs of long-context RAG at 1 s / 50 ms, every request late (0.00 goodput/s;
+        the best constant, 24, 4.94). The window's TPOT P99 past the limit instead let the
+        total go where the hold was right: Azure at 1.25x the knee on A100 / Llama-3.1-8B,
+        5.68 -> 5.21 goodput/s.
     :param sticky: among ties keep the incumbent (default: the largest total).
     :param routing: with several pools, also try routes around the best candidate: every
         bucket to the least-loaded engine of any pool, and short / long buckets split between
@@ -139,6 +147,7 @@ class MpcConfig:
     sticky: bool = False
     weigh_misses: bool = False
     no_shrink_when_late: bool = True
+    shrink_past_tpot: bool = True
     routing: bool = False
     fp8_cost: float = 0.015
     fair: bool = True
@@ -196,6 +205,8 @@ class MpcController(GuardedController):
         self._met: list[float] = []
         self._done: list[float] = []
         self._late: list[int] = []
+        self._tpot_over = False
+        self._tpot_missed = 0.0
         self._scale = 0
         self._last_stats: DeploymentStats | None = None
 
@@ -237,6 +248,8 @@ class MpcController(GuardedController):
         self._met = [0.0] * n
         self._done = [0.0] * n
         self._late = [0] * n
+        self._tpot_over = False
+        self._tpot_missed = 0.0
 
     def reset(self, info: DeploymentInfo) -> ControlAction:
         action = super().reset(info)
@@ -277,13 +290,17 @@ class MpcController(GuardedController):
         sla = self.info.sla
         self._met = [m * decay for m in self._met]
         self._done = [d * decay for d in self._done]
+        self._tpot_missed *= decay
         for rec in stats.finished:
             self._done[rec.bucket] += 1
             if meets_sla(rec, sla):
                 self._met[rec.bucket] += 1
+            elif not rec.rejected and rec.tpot_s > sla.tpot_s:
+                self._tpot_missed += 1
         for b, count in enumerate(stats.rejected):
             self._done[b] += count
         waits = stats.oldest_wait_s or (0.0,) * len(stats.queued)
+        self._tpot_over = self._tpot_missed > 0.5 * sum(self._done)
         self._late = [q if w > sla.ttft_s else 0 for q, w in zip(stats.queued, waits,
                                                                   strict=True)]
 
@@ -390,15 +407,17 @@ class MpcController(GuardedController):
 
     def _best(self, scores: dict[Key, float]) -> Key:
         """Among the candidates within ``switch_margin`` + ``tolerance`` x (requests in the
-        replay) of the best score (while requests wait past the TTFT limit, only those that
-        keep the incumbent's total, else the incumbent or its untrimmed version): with
+        replay) of the best score (while requests wait past the TTFT limit and most finish
+        within the SLA's TPOT, only those that keep the incumbent's total, else the incumbent or its
+        untrimmed version): with
         ``sticky`` the incumbent if it is one, else the largest total, then the fewest trims
         (a too-small cap is the costly mistake when the load rises)."""
         cfg = self.config
         top = max(scores.values())
         slack = cfg.switch_margin + cfg.tolerance * self._scale
         near = [k for k, v in scores.items() if v >= top - slack]
-        if cfg.no_shrink_when_late and any(self._late):
+        if (cfg.no_shrink_when_late and any(self._late)
+                and not (cfg.shrink_past_tpot and self._tpot_over)):
             # the fallback holds the incumbent's total: the incumbent, or (when fairness
             # ruled its trims out) the same total without them, which is always scored
             held = [k for k in (self.incumbent, untrimmed(self.incumbent, len(SHARE_LADDER) - 1))

@@ -206,6 +206,18 @@ def test_no_shrink_holds_the_total_when_fairness_rules_the_incumbent_out() -> No
     assert c._best({**scores, trimmed: 9.0}) == trimmed
 
 
+@pytest.mark.parametrize(("shrink_past_tpot", "tpot_over", "expected_total"),
+                         [(True, True, 5), (True, False, 7), (False, True, 7)])
+def test_no_shrink_gives_way_when_the_batch_makes_tpot_miss(
+        shrink_past_tpot: bool, tpot_over: bool, expected_total: int) -> None:
+    c = MpcController(MpcConfig(shrink_past_tpot=shrink_past_tpot))
+    c.on_reset(_deployment().info)
+    c.incumbent = (7, (3, 3, 3), (0, 0, 0))
+    c._late, c._scale, c._tpot_over = [0, 3, 0], 100, tpot_over
+    scores: dict[Key, float] = {(5, (3, 3, 3), (0, 0, 0)): 50.0, c.incumbent: 10.0}
+    assert c._best(scores)[0] == expected_total
+
+
 def test_candidates_cover_small_totals_and_are_codec_actions() -> None:
     c = MpcController(MpcConfig(horizon_s=4.0, every_s=2.0, window_s=2.0))
     d = _deployment()
