@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import math
 
@@ -9,15 +10,18 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from rlbatch.commands.options import add_deployment_options, deployment_spec_from_args
 from rlbatch.engine.config import EngineConfig
 from rlbatch.engine.reserve import (
     KV_COMMIT_MODES,
+    SHIFT_TRIGGER,
     KvCommitMode,
     OutputReserve,
     declared_output_limit,
     peak_commitment,
 )
 from rlbatch.request import Request
+from rlbatch.serving.builders import build_deployment
 from rlbatch.sidecar.settings import UpstreamSpec
 from rlbatch.sidecar.upstream import HttpUpstream, Ticket
 from tests.factories import record, sim_engine
@@ -312,3 +316,13 @@ def test_engine_peak_bounds_the_kv_its_decoding_requests_will_hold(commit: KvCom
         assert projected == total
     else:
         assert projected < total - 100  # the long answer outlives the others
+
+
+@pytest.mark.parametrize(("flag", "expected"), [([], True), (["--no-kv-reserve-shift"], False)])
+def test_the_shift_rule_is_a_deployment_flag(flag: list[str], expected: bool) -> None:
+    parser = argparse.ArgumentParser()
+    add_deployment_options(parser)
+    spec = deployment_spec_from_args(parser.parse_args(flag))
+    assert spec.kv_reserve_shift is expected
+    engine = build_deployment(spec).engines[0]
+    assert engine._reserve.shift_trigger == (SHIFT_TRIGGER if expected else None)

@@ -163,6 +163,9 @@ def add_deployment_options(parser: argparse.ArgumentParser) -> None:
                         "only a trace replay can know)")
     s.add_argument("--kv-reserve-quantile", type=float, default=0.9,
                    help="output quantile the observed reserve takes (default 0.9)")
+    s.add_argument("--kv-reserve-shift", action=argparse.BooleanOptionalAction, default=True,
+                   help="the observed reserve forgets a bucket's older outputs when its "
+                        "recent completions turn longer (6 of the last 16 past its quantile)")
     add_sla_options(s)
     s.add_argument("--drain-s", type=float, default=600.0,
                    help="how long after the last arrival a run may go on; what is left "
@@ -193,7 +196,8 @@ def deployment_spec_from_args(args: argparse.Namespace) -> DeploymentSpec:
         kv_offload_gib=args.kv_offload_gib,
         sla=sla_from_args(args), tick_s=args.tick_s,
         cold_start=args.cold_start, engine=args.engine, profile=args.profile,
-        kv_reserve=args.kv_reserve, kv_reserve_quantile=args.kv_reserve_quantile)
+        kv_reserve=args.kv_reserve, kv_reserve_quantile=args.kv_reserve_quantile,
+        kv_reserve_shift=args.kv_reserve_shift)
 
 
 def add_workload_options(parser: argparse.ArgumentParser) -> None:
