@@ -205,7 +205,6 @@ class MpcController(GuardedController):
         self._met: list[float] = []
         self._done: list[float] = []
         self._late: list[int] = []
-        self._tpot_over = False
         self._tpot_missed = 0.0
         self._scale = 0
         self._last_stats: DeploymentStats | None = None
@@ -248,7 +247,6 @@ class MpcController(GuardedController):
         self._met = [0.0] * n
         self._done = [0.0] * n
         self._late = [0] * n
-        self._tpot_over = False
         self._tpot_missed = 0.0
 
     def reset(self, info: DeploymentInfo) -> ControlAction:
@@ -300,7 +298,6 @@ class MpcController(GuardedController):
         for b, count in enumerate(stats.rejected):
             self._done[b] += count
         waits = stats.oldest_wait_s or (0.0,) * len(stats.queued)
-        self._tpot_over = self._tpot_missed > 0.5 * sum(self._done)
         self._late = [q if w > sla.ttft_s else 0 for q, w in zip(stats.queued, waits,
                                                                   strict=True)]
 
@@ -408,16 +405,16 @@ class MpcController(GuardedController):
     def _best(self, scores: dict[Key, float]) -> Key:
         """Among the candidates within ``switch_margin`` + ``tolerance`` x (requests in the
         replay) of the best score (while requests wait past the TTFT limit and most finish
-        within the SLA's TPOT, only those that keep the incumbent's total, else the incumbent or its
-        untrimmed version): with
-        ``sticky`` the incumbent if it is one, else the largest total, then the fewest trims
-        (a too-small cap is the costly mistake when the load rises)."""
+        within the SLA's TPOT, only those that keep the incumbent's total, else the incumbent
+        or its untrimmed version): with ``sticky`` the incumbent if it is one, else the
+        largest total, then the fewest trims (a too-small cap is the costly mistake when the
+        load rises)."""
         cfg = self.config
         top = max(scores.values())
         slack = cfg.switch_margin + cfg.tolerance * self._scale
         near = [k for k, v in scores.items() if v >= top - slack]
         if (cfg.no_shrink_when_late and any(self._late)
-                and not (cfg.shrink_past_tpot and self._tpot_over)):
+                and not (cfg.shrink_past_tpot and self._tpot_missed > 0.5 * sum(self._done))):
             # the fallback holds the incumbent's total: the incumbent, or (when fairness
             # ruled its trims out) the same total without them, which is always scored
             held = [k for k in (self.incumbent, untrimmed(self.incumbent, len(SHARE_LADDER) - 1))

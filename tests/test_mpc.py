@@ -206,14 +206,15 @@ def test_no_shrink_holds_the_total_when_fairness_rules_the_incumbent_out() -> No
     assert c._best({**scores, trimmed: 9.0}) == trimmed
 
 
-@pytest.mark.parametrize(("shrink_past_tpot", "tpot_over", "expected_total"),
-                         [(True, True, 5), (True, False, 7), (False, True, 7)])
+@pytest.mark.parametrize(("shrink_past_tpot", "tpot_missed", "expected_total"),
+                         [(True, 6.0, 5), (True, 5.0, 7), (False, 6.0, 7)])
 def test_no_shrink_gives_way_when_the_batch_makes_tpot_miss(
-        shrink_past_tpot: bool, tpot_over: bool, expected_total: int) -> None:
+        shrink_past_tpot: bool, tpot_missed: float, expected_total: int) -> None:
     c = MpcController(MpcConfig(shrink_past_tpot=shrink_past_tpot))
     c.on_reset(_deployment().info)
     c.incumbent = (7, (3, 3, 3), (0, 0, 0))
-    c._late, c._scale, c._tpot_over = [0, 3, 0], 100, tpot_over
+    c._late, c._scale = [0, 3, 0], 100
+    c._done, c._tpot_missed = [4.0, 4.0, 2.0], tpot_missed  # over half of 10 finished: 6
     scores: dict[Key, float] = {(5, (3, 3, 3), (0, 0, 0)): 50.0, c.incumbent: 10.0}
     assert c._best(scores)[0] == expected_total
 

@@ -211,10 +211,9 @@ class OutputReserve:
         # Quantiles are re-read only after new completions (a cache per history).
         self._cached: list[int | None] = [None] * (num_buckets + 1)
         # per history: whether each of its last shift_window completions ran past the
-        # quantile in force when it finished, and how many did
+        # quantile in force when it finished
         self._past: list[deque[bool]] = [deque(maxlen=shift_window)
                                          for _ in range(num_buckets + 1)]
-        self._num_past = [0] * (num_buckets + 1)
 
     def fork(self) -> OutputReserve:
         """An independent copy (a digital twin's engine fork must not feed the original)."""
@@ -224,7 +223,6 @@ class OutputReserve:
         new._sorted = [list(s) for s in self._sorted]
         new._cached = list(self._cached)
         new._past = [deque(p, maxlen=p.maxlen) for p in self._past]
-        new._num_past = list(self._num_past)
         return new
 
     def observe(self, bucket: int, output_tokens: int) -> None:
@@ -234,14 +232,15 @@ class OutputReserve:
                 history = self._history[index]
                 ordered = self._sorted[index]
                 if self.shift_trigger is not None:
-                    self._watch_shift(index, output_tokens)
+                    # noted before the completion joins the history it is compared with
+                    quantile = self._quantile_of(index)
+                    self._past[index].append(quantile is not None and output_tokens > quantile)
                 if len(history) == history.maxlen:
                     del ordered[bisect.bisect_left(ordered, history[0])]
                 history.append(output_tokens)
                 bisect.insort(ordered, output_tokens)
                 self._cached[index] = None
-                if (self.shift_trigger is not None
-                        and self._num_past[index] >= self.shift_trigger):
+                if self.shift_trigger is not None and sum(self._past[index]) >= self.shift_trigger:
                     self._forget_before_shift(index)
 
     def _quantile_of(self, index: int) -> int | None:
@@ -249,16 +248,6 @@ class OutputReserve:
         if len(ordered) < self.min_samples:
             return None
         return ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
-
-    def _watch_shift(self, index: int, output_tokens: int) -> None:
-        """Note whether a completion ran past its history's quantile (before it joins it)."""
-        past = self._past[index]
-        if len(past) == past.maxlen and past[0]:
-            self._num_past[index] -= 1
-        quantile = self._quantile_of(index)
-        ran_past = quantile is not None and output_tokens > quantile
-        past.append(ran_past)
-        self._num_past[index] += ran_past
 
     def _forget_before_shift(self, index: int) -> None:
         """The history keeps only the completions that showed the turn."""
@@ -269,7 +258,6 @@ class OutputReserve:
             history.extend(kept)
             self._sorted[index] = sorted(kept)
         self._past[index].clear()
-        self._num_past[index] = 0
 
     def expected_output(self, bucket: int) -> int | None:
         """The output tokens reserved at admission for ``bucket``: its own quantile, else
