@@ -146,6 +146,14 @@ def _add_recipe_options(g: argparse._ArgumentGroup, r: RecipeConfig) -> None:
                    help="draw each DAgger round's traffic families at odds that grow with the "
                         "student's distance from the teacher's total on each (--no-dagger-focus: "
                         "uniformly)")
+    g.add_argument("--excursions", type=float, default=r.excursions, metavar="P",
+                   help="chance, at each teacher decision, that the total in force leaves the "
+                        "teacher's for one drawn from the ladder for a few decisions while the "
+                        "teacher labels, so that the student learns the way back from totals it "
+                        "drifts to (0: the teacher drives throughout)")
+    g.add_argument("--excursion-decisions", type=checked(_int_range),
+                   default=_csv(r.excursion_decisions), metavar="LOW,HIGH",
+                   help="shortest and longest excursion, in decisions")
     g.add_argument("--recipe-episode-s", type=float, default=r.episode_s,
                    help="seconds of arrivals per teacher / DAgger workload")
     g.add_argument("--decision-ticks", type=int, default=r.decision_ticks,
@@ -239,6 +247,14 @@ def _add_ppo_options(h: argparse._ArgumentGroup, d: TrainConfig) -> None:
                    help="Azure rate scales of the PPO run's final comparison")
 
 
+def _int_range(text: str) -> tuple[int, int]:
+    """``N`` or ``LOW,HIGH`` of whole numbers."""
+    low, high = positive_range(text)
+    if low != int(low) or high != int(high):
+        raise ValueError(f"whole numbers, e.g. 2,12; got {text!r}")
+    return int(low), int(high)
+
+
 def _csv(values: Sequence[float]) -> str:
     """``values`` as an option's comma-separated default."""
     return ",".join(f"{x:g}" for x in values)
@@ -272,7 +288,8 @@ def _recipe_config(args: argparse.Namespace, traces: tuple[str, ...],
                         mix_load=args.mix_load, family_share=args.family_share,
                         family_loads=args.family_loads, sla_ttft_s=args.train_sla_ttft_s,
                         sla_tpot_s=args.train_sla_tpot_s, obs_clip=args.obs_clip,
-                        labels=args.labels,
+                        labels=args.labels, excursions=args.excursions,
+                        excursion_decisions=args.excursion_decisions,
                         shares=args.shares, members=args.members,
                         finetune_steps=args.finetune_steps,
                         deployments=args.train_deployments,

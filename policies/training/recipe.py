@@ -52,6 +52,7 @@ from policies.training.episodes import (
     sample_slas,
     sample_tagged_episodes,
 )
+from policies.training.excursions import ExcursionController, Excursions
 from policies.training.finetune import FinetuneConfig, finetune_many, recipe_env_kwargs
 from policies.training.focus import focus_weights, total_errors
 from policies.training.ppo_trainer import eval_score, export_actor
@@ -105,6 +106,11 @@ class RecipeConfig:
         per workload; one value: every workload under it). With observation version 5 the
         SLA is an input of the student, so one policy serves any SLA within these ranges.
     :param sla_tpot_s: range of the SLA's TPOT limit, as ``sla_ttft_s``.
+    :param excursions: chance, at each teacher decision outside an excursion, that the total
+        in force leaves the teacher's for one drawn from the ladder while the teacher keeps
+        labelling (:mod:`policies.training.excursions`), so that the student learns what to
+        do where it drifts off the teacher's states; 0: the teacher drives throughout.
+    :param excursion_decisions: shortest and longest excursion, in decisions.
     :param dagger_rounds: DAgger rounds after behaviour cloning.
     :param dagger_episodes: workloads per DAgger round.
     :param dagger_focus: draw each DAgger round's families at odds that grow with the
@@ -174,6 +180,8 @@ class RecipeConfig:
     family_loads: tuple[float, float] = (0.7, 1.3)
     sla_ttft_s: tuple[float, float] = (0.5, 5.0)
     sla_tpot_s: tuple[float, float] = (0.025, 0.15)
+    excursions: float = 0.0
+    excursion_decisions: tuple[int, int] = (2, 12)
     dagger_rounds: int = 2
     dagger_episodes: int = 12
     dagger_focus: bool = True
@@ -210,6 +218,9 @@ class RecipeConfig:
         if not self.rate_scale > 0:
             raise ValueError(f"rate_scale must be > 0, got {self.rate_scale}")
         check_labels(self.labels)
+        self.excursion_decisions = (int(self.excursion_decisions[0]),
+                                    int(self.excursion_decisions[1]))
+        self.excursion_plan()  # bad excursion settings fail here
         self.shares = tuple(float(s) for s in self.shares)
         if not 0 < self.mix_load[0] <= self.mix_load[1]:
             raise ValueError(f"mix_load must be 0 < low <= high, got {self.mix_load}")
@@ -247,6 +258,11 @@ class RecipeConfig:
         values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
                                   for k, v in recorded.items() if k in known}
         return cls(**values)
+
+    def excursion_plan(self) -> Excursions | None:
+        """The teacher episodes' excursions (``None`` without them)."""
+        plan = Excursions(self.excursions, self.excursion_decisions)
+        return plan if plan.share > 0 else None
 
     def train_deployments(self) -> list[tuple[str, str]]:
         """``(gpu, model)`` of every deployment trained on; the first is ``gpu``/``model``
@@ -290,30 +306,36 @@ def parse_deployment(text: str) -> tuple[str, str]:
 
 
 def make_labeller(cfg: RecipeConfig, codec: TotalShareCodec,
-                  actor: Any = None) -> LabellingController:
+                  actor: Any = None, excursion_seed: int | None = None) -> LabellingController:
     """The teacher of ``cfg`` wrapped to record the student's observations and its labels.
 
     :param cfg: the recipe.
     :param codec: the student's action space.
     :param actor: the student driving (DAgger), ``None``: the teacher drives.
+    :param excursion_seed: with ``cfg.excursions`` and no actor, the teacher drives with
+        excursions drawn from this seed (:class:`~policies.training.excursions.
+        ExcursionController`).
     """
     teacher = make_controller(cfg.teacher)
     if not teacher.reports_proposals:
         raise ValueError(f"teacher {cfg.teacher!r} does not expose last_proposal")
+    plan = cfg.excursion_plan()
+    if actor is None and plan is not None and excursion_seed is not None:
+        actor = ExcursionController(teacher, codec, plan, cfg.decision_ticks, excursion_seed)
     return LabellingController(teacher, codec, cfg.obs_version,
                                max(codec.totals), cfg.decision_ticks, actor, cfg.labels)
 
 
-def _episode_task(item: tuple[int, RecipeConfig, str | None, int, SLA | None],
+def _episode_task(item: tuple[int, RecipeConfig, str | None, int, SLA | None, int | None],
                   workload: Workload) -> tuple[Demonstrations, list[dict[str, Any]]]:
     # One teacher / DAgger episode on a Ray worker: a fresh labeller (the teacher resets
     # fully every run, so this equals the one labeller the serial loop reuses).
-    _, cfg, student, deployment, sla = item
+    _, cfg, student, deployment, sla, excursion_seed = item
     # the student acts as it is served (its queue order); the teacher labels the caps
     actor = None if student is None else PpoController(load_artifact(Path(student)),
                                                        name="student", order=PPO_QUEUE_ORDER)
     spec = cfg.spec(deployment)
-    return collect(make_labeller(cfg, cfg.student_codec(), actor), [workload],
+    return collect(make_labeller(cfg, cfg.student_codec(), actor, excursion_seed), [workload],
                    spec if sla is None else replace(spec, sla=sla))
 
 
@@ -399,36 +421,44 @@ class Recipe:
         return make_labeller(self.cfg, self.codec, actor)
 
     def collect(self, episodes: Sequence[Episode], student: Path | None = None,
-                slas: Sequence[SLA] | None = None
+                slas: Sequence[SLA] | None = None,
+                excursion_seeds: Sequence[int] | None = None
                 ) -> tuple[Demonstrations, list[dict[str, Any]]]:
         """Run the teacher (or the student at ``student``, the teacher labelling) over the
         episodes, each on its deployment: here, or one Ray task per episode (workloads
         through the object store).
 
+        :param excursion_seeds: one per episode: the teacher drives with excursions
+            (``cfg.excursions``; ignored when the student drives).
         :raises RuntimeError: an episode failed twice on Ray (training needs every one).
         """
-        parts, rows = self.collect_parts(episodes, student, slas)
+        parts, rows = self.collect_parts(episodes, student, slas, excursion_seeds)
         return Demonstrations.concat(parts), rows
 
     def collect_parts(self, episodes: Sequence[Episode], student: Path | None = None,
-                      slas: Sequence[SLA] | None = None
+                      slas: Sequence[SLA] | None = None,
+                      excursion_seeds: Sequence[int] | None = None
                       ) -> tuple[list[Demonstrations], list[dict[str, Any]]]:
         """:meth:`collect`, the demonstrations kept per episode (in order)."""
+        seeds = [None if excursion_seeds is None else excursion_seeds[i]
+                 for i in range(len(episodes))]
         if self.ray is None:
-            actor = (None if student is None  # as served, as in _episode_task
-                     else PpoController(load_artifact(student), name="student",
-                                        order=PPO_QUEUE_ORDER))
-            labeller = self.labeller(actor)
             bar = tqdm(episodes, desc="teacher" if student is None else "dagger",
                        unit="episode", disable=self.quiet, leave=False)
-            done = [collect(labeller, [w], self._spec(d, slas, i))
-                    for i, (d, w) in enumerate(bar)]
+            done = []
+            for i, (d, w) in enumerate(bar):
+                actor = (None if student is None  # as served, as in _episode_task
+                         else PpoController(load_artifact(student), name="student",
+                                            order=PPO_QUEUE_ORDER))
+                labeller = make_labeller(self.cfg, self.codec, actor, seeds[i])
+                done.append(collect(labeller, [w], self._spec(d, slas, i)))
             return [demos for demos, _ in done], [row for _, rows in done for row in rows]
         from rlbatch.scale import connect, failed, run_tasks
 
         connect(self.ray)
         items = [(i, self.cfg, None if student is None else str(student), d,
-                  None if slas is None else slas[i]) for i, (d, _) in enumerate(episodes)]
+                  None if slas is None else slas[i], seeds[i])
+                 for i, (d, _) in enumerate(episodes)]
         workloads = {i: w for i, (_, w) in enumerate(episodes)}
         results = run_tasks(_episode_task, items, shared=workloads,
                             shared_key=lambda item: item[0],
@@ -452,8 +482,10 @@ class Recipe:
         return episodes, slas
 
     def _gather(self, tagged: Sequence[tuple[str, Episode]], slas: Sequence[SLA] | None,
-                student: Path | None = None) -> list[dict[str, Any]]:
-        parts, rows = self.collect_parts([e for _, e in tagged], student, slas)
+                student: Path | None = None,
+                excursion_seeds: Sequence[int] | None = None) -> list[dict[str, Any]]:
+        parts, rows = self.collect_parts([e for _, e in tagged], student, slas,
+                                         excursion_seeds)
         self.demos.extend(parts)
         self.kinds.extend(kind for kind, _ in tagged)
         return rows
@@ -461,7 +493,10 @@ class Recipe:
     def teacher_data(self) -> list[dict[str, Any]]:
         """Phase 1: the teacher drives; returns its run rows."""
         tagged, slas = self.episodes(self.cfg.episodes)
-        rows = self._gather(tagged, slas)
+        # drawn only when asked, so that recipes without excursions keep their draws
+        seeds = ([int(s) for s in self.rng.integers(2**31, size=len(tagged))]
+                 if self.cfg.excursion_plan() is not None else None)
+        rows = self._gather(tagged, slas, excursion_seeds=seeds)
         for row in rows:
             self.step = log_runs(self.log, "teacher", [row], self.step)
             # the total the teacher kept, per kind of traffic (workload name without its seed)
