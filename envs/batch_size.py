@@ -82,7 +82,10 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     the SLA's TTFT / 5 s and TPOT / 0.15 s (:data:`rlbatch.control.observation.
     TRAFFIC_GLOBAL_FEATURES`). ``obs_version=6`` is version 5 plus the share of the prompt
     tokens looked up in the engines' prefix caches that were found there (smoothed; 0 before
-    any lookup): long prompts with shared prefixes cost little prefill.
+    any lookup): long prompts with shared prefixes cost little prefill. ``obs_version=7`` is
+    version 6 plus the share of the total ladder (4-256) whose TPOT, predicted by the
+    deployment's step-time model at the traffic's mean context and prefill rate, meets the
+    SLA's (:class:`rlbatch.control.observation.TpotFit`; needs GPU and model profiles).
 
     | index | feature | unit / normalisation |
     |---|---|---|
@@ -155,7 +158,8 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
       per-bucket shares; the guard's ladder is then the total ladder, up to 256).
     * ``obs_version``: 1 (snapshot features), 2 (plus trends), 3 (version 2 in units of
       the deployment's capacity), 4 (version 3 without the action in force), 5 (version 4
-      plus the kind of traffic and the SLA) or 6 (version 5 plus the prefix-cache hit rate).
+      plus the kind of traffic and the SLA), 6 (version 5 plus the prefix-cache hit rate) or
+      7 (version 6 plus the share of totals whose predicted TPOT meets the SLA).
     * ``decision_ticks``: ticks one action is held for.
     * ``shares``: the ``total_share`` action's share ladder (``(1.0,)``: the total cap
       only).

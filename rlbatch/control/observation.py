@@ -14,6 +14,7 @@ import numpy as np
 
 from rlbatch.control.types import DeploymentInfo, DeploymentStats
 from rlbatch.profiles.capacity import REFERENCE_OUTPUT_TOKENS, REFERENCE_PROMPT_TOKENS
+from rlbatch.profiles.step_time import StepTimeModel
 
 CLIP = 10.0
 
@@ -81,14 +82,26 @@ PREFIX_GLOBAL_FEATURES: tuple[str, ...] = (
 """How much of the prompts the engines find cached (version 6): long prompts that share a
 prefix (RAG over one corpus, multi-turn chat) cost little prefill, so the batch that suits
 them is not the one that suits long prompts computed in full (code completion)."""
-OBS_VERSIONS: tuple[int, ...] = (1, 2, 3, 4, 5, 6)
+TPOT_FIT_GLOBAL_FEATURES: tuple[str, ...] = (
+    "tpot_fit_total",    # share of the total ladder whose predicted TPOT meets the SLA
+)
+"""Where the TPOT limit binds (version 7): the step-time model of the deployment's profile
+predicts one engine's iteration time with N sequences decoding at the traffic's mean context
+while the prefill computed per second stays what it is; the feature is the share of
+:data:`TPOT_FIT_LADDER` whose prediction stays within the SLA's TPOT (0: not even the
+smallest total). A big batch of long contexts (RAG, reports) misses a tight TPOT where a
+chat batch of the same size meets it; the teacher sees that in its rollouts, the other
+features only once the batch has already missed."""
+TPOT_FIT_LADDER: tuple[int, ...] = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+OBS_VERSIONS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7)
 """1: the snapshot features; 2: plus trends (smoothed rates, queue growth, totals), which
 need state across ticks; 3: version 2's features with every rate, queue and throughput in
 units of the deployment's reference capacity (:mod:`rlbatch.profiles.capacity`) instead of
 absolute, plus the capacity itself, so that one policy reads load the same way on every
 GPU and model; 4: version 3 without the action in force (:data:`ACTION_FEATURES`); 5:
 version 4 plus :data:`TRAFFIC_GLOBAL_FEATURES` (the traffic's kind and the SLA); 6: version 5
-plus :data:`PREFIX_GLOBAL_FEATURES`."""
+plus :data:`PREFIX_GLOBAL_FEATURES`; 7: version 6 plus :data:`TPOT_FIT_GLOBAL_FEATURES`, which
+needs the deployment's GPU and model profiles."""
 ACTION_FEATURES: tuple[str, ...] = ("cap", "pool", "total_cap")
 """Features that restate the action in force (per bucket ``cap`` and ``pool``, and the
 ``total_cap``), which version 4 leaves out. A student cloned from a teacher whose actions
@@ -105,6 +118,8 @@ def _restates_action(name: str) -> bool:
 
 
 def observation_size(num_buckets: int, version: int = 1) -> int:
+    if version >= 7:
+        return observation_size(num_buckets, 6) + len(TPOT_FIT_GLOBAL_FEATURES)
     if version >= 6:
         return observation_size(num_buckets, 5) + len(PREFIX_GLOBAL_FEATURES)
     if version >= 5:
@@ -123,6 +138,8 @@ def observation_size(num_buckets: int, version: int = 1) -> int:
 
 def feature_names(bucket_names: tuple[str, ...], version: int = 1) -> list[str]:
     """Name of every observation index, in order."""
+    if version >= 7:
+        return feature_names(bucket_names, 6) + list(TPOT_FIT_GLOBAL_FEATURES)
     if version >= 6:
         return feature_names(bucket_names, 5) + list(PREFIX_GLOBAL_FEATURES)
     if version >= 5:
@@ -161,6 +178,7 @@ class ObservationBuilder:
     _capacity: list[float] = field(default_factory=list, init=False, repr=False,
                                    compare=False)
     _keep: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+    _tpot_fit: TpotFit | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.version not in OBS_VERSIONS:
@@ -181,6 +199,8 @@ class ObservationBuilder:
         if self.version >= 5:  # the SLA is constant for the run too
             self._sla = [self.info.sla.ttft_s / SLA_TTFT_NORM_S,
                          self.info.sla.tpot_s / SLA_TPOT_NORM_S]
+        if self.version >= 7:
+            self._tpot_fit = TpotFit.for_deployment(self.info)
         if self.version >= 4:  # built in version 3's layout, then the action dropped
             names = feature_names(self.info.buckets.names, 3)
             self._keep = np.array([i for i, n in enumerate(names) if not _restates_action(n)])
@@ -197,7 +217,7 @@ class ObservationBuilder:
         self._trend.update(arrivals=[0.0] * n_b, departures=[0.0] * n_b,
                            growth=[0.0] * n_b, queued=[0.0] * n_b, doomed=[0.0],
                            prefill=[0.0], decode=[0.0], outputs=[0.0], finished=[0.0],
-                           prefix_queries=[0.0], prefix_hits=[0.0])
+                           prefix_queries=[0.0], prefix_hits=[0.0], prompts=[0.0])
 
     def initial(self) -> np.ndarray:
         """Observation before the first tick: idle deployment, nothing measured."""
@@ -219,6 +239,9 @@ class ObservationBuilder:
             obs = np.concatenate([obs, np.clip(traffic, 0.0, CLIP).astype(np.float32)])
         if self.version >= 6:  # nothing looked up yet: nothing found cached
             obs = np.concatenate([obs, np.zeros(len(PREFIX_GLOBAL_FEATURES), np.float32)])
+        if self._tpot_fit is not None:  # an idle engine at the reference lengths
+            obs = np.concatenate([obs, np.array([self._tpot_fit.share(
+                0.0, REFERENCE_PROMPT_TOKENS, REFERENCE_OUTPUT_TOKENS)], np.float32)])
         return obs
 
     def _rate(self, per_s: float) -> float:
@@ -278,6 +301,8 @@ class ObservationBuilder:
             out.extend(self._traffic(stats, tick))
         if self.version >= 6:
             out.append(self._prefix_hit_rate(stats, tick))
+        if self._tpot_fit is not None:
+            out.append(self._tpot_fit_share(stats))
         raw = np.array(out, dtype=np.float64)
         # Memory readings that are not numbers must not look like an empty cache.
         g = n_b * len(PER_BUCKET_FEATURES)
@@ -298,6 +323,8 @@ class ObservationBuilder:
         tr["finished"][0] += alpha * (len(finished) / tick - tr["finished"][0])
         tr["outputs"][0] += alpha * (sum(r.output_tokens for r in finished) / tick
                                      - tr["outputs"][0])
+        tr["prompts"][0] += alpha * (sum(r.prompt_tokens for r in finished) / tick
+                                     - tr["prompts"][0])
         computed = tr["prefill"][0] + tr["decode"][0]
         mean_output = tr["outputs"][0] / tr["finished"][0] if tr["finished"][0] > 1e-9 else 0.0
         busy = [min(es.busy_s / tick, 1.0) for es in stats.engines]
@@ -308,6 +335,18 @@ class ObservationBuilder:
                 stats.window.tpot_p99_all_s / sla.tpot_s,
                 sum(busy) / len(busy) if busy else 0.0,
                 *self._sla]
+
+    def _tpot_fit_share(self, stats: DeploymentStats) -> float:
+        # reads the smoothed rates _traffic updated this tick
+        assert self._tpot_fit is not None
+        tr = self._trend
+        engines = max(len(stats.engines), 1)
+        if tr["finished"][0] > 1e-9:
+            prompt = tr["prompts"][0] / tr["finished"][0]
+            output = tr["outputs"][0] / tr["finished"][0]
+        else:
+            prompt, output = float(REFERENCE_PROMPT_TOKENS), float(REFERENCE_OUTPUT_TOKENS)
+        return self._tpot_fit.share(tr["prefill"][0] / engines, prompt, output)
 
     def _prefix_hit_rate(self, stats: DeploymentStats, tick: float) -> float:
         # smoothed as a ratio of smoothed counts: a tick with one short lookup must not swing it
@@ -350,6 +389,90 @@ class ObservationBuilder:
                 math.log1p(ratio),
                 (self._rate(tr["doomed"][0]) if self.version >= 3
                  else math.log1p(max(tr["doomed"][0], 0.0)))]
+
+
+class TpotFit:
+    """Predicted TPOT per total on one engine, from the deployment's step-time model.
+
+    An iteration with ``N`` sequences decoding at mean context ``c`` (prompt plus half the
+    output) also computes the prompt tokens that arrive meanwhile: with ``r`` prompt tokens
+    per second to compute, an iteration of ``t`` seconds carries ``r * t`` of them (at most
+    the token budget), so ``t`` is the fixed point of ``t = step(r * t, N, N * c)``. TPOT is
+    about that ``t``. Results are memoised on the inputs rounded to two significant digits.
+
+    :param step_model: one engine's step-time model.
+    :param max_num_batched_tokens: the engine's token budget per iteration.
+    :param tpot_s: the SLA's TPOT limit.
+    """
+
+    ITERATIONS = 6
+
+    def __init__(self, step_model: StepTimeModel, max_num_batched_tokens: int,
+                 tpot_s: float) -> None:
+        self.step_model = step_model
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.tpot_s = tpot_s
+        self._memo: dict[tuple[float, float, float], float] = {}
+
+    @classmethod
+    def for_deployment(cls, info: DeploymentInfo) -> TpotFit:
+        """The fit of the deployment's first pool, from its GPU and model profiles.
+
+        :raises ValueError: the GPU or model is not a known profile.
+        """
+        from rlbatch.profiles.specs import ProfileError, load_gpu, load_model
+        from rlbatch.profiles.step_time import RooflineStepTimeModel
+
+        try:
+            gpu, model = load_gpu(info.gpu), load_model(info.model)
+        except (ProfileError, OSError) as e:
+            raise ValueError(
+                f"observation version 7 predicts TPOT from the deployment's GPU and model "
+                f"profiles; {info.gpu!r} / {info.model!r} is not one ({e}): give profile "
+                f"names or files for --gpu and --model") from None
+        pool = info.pool_names[0] if info.pool_names else "fp16"
+        step_model = RooflineStepTimeModel(
+            gpu, model, precision="fp8" if pool == "fp8" else "fp16",
+            max_num_batched_tokens=info.max_num_batched_tokens,
+            max_num_seqs=max(info.default_max_num_seqs, 1))
+        return cls(step_model, info.max_num_batched_tokens, info.sla.tpot_s)
+
+    def tpot_s_at(self, total: int, prefill_tokens_per_s: float, prompt_tokens: float,
+                  output_tokens: float) -> float:
+        """Predicted iteration time with ``total`` sequences decoding."""
+        context = max(prompt_tokens, 0.0) + max(output_tokens, 0.0) / 2
+        decode_tokens = max(round(total * context), 0)
+        t = self.step_model.step_time_s(0, 0.0, total, decode_tokens)
+        for _ in range(self.ITERATIONS):
+            chunk = min(int(max(prefill_tokens_per_s, 0.0) * t),
+                        max(self.max_num_batched_tokens - total, 0))
+            # a chunk of a prompt of mean length attends to half the prompt on average
+            work = chunk * (max(prompt_tokens, 1.0) / 2)
+            t = self.step_model.step_time_s(chunk, work, total, decode_tokens)
+        return t
+
+    def share(self, prefill_tokens_per_s: float, prompt_tokens: float,
+              output_tokens: float) -> float:
+        """Share of :data:`TPOT_FIT_LADDER` whose predicted TPOT meets the limit."""
+        key = (_two_digits(prefill_tokens_per_s), _two_digits(prompt_tokens),
+               _two_digits(output_tokens))
+        if (hit := self._memo.get(key)) is not None:
+            return hit
+        fits = 0
+        for total in TPOT_FIT_LADDER:  # the time grows with the total: stop at the first miss
+            if self.tpot_s_at(total, *key) > self.tpot_s:
+                break
+            fits += 1
+        value = fits / len(TPOT_FIT_LADDER)
+        if len(self._memo) < 1 << 16:
+            self._memo[key] = value
+        return value
+
+
+def _two_digits(x: float) -> float:
+    if not (math.isfinite(x) and x > 0):
+        return 0.0
+    return float(f"{x:.2g}")
 
 
 def route_feature(pools: tuple[str, ...], route: str) -> float:
