@@ -14,8 +14,11 @@ from rlbatch.control.observation import (
     GLOBAL_FEATURES,
     PER_BUCKET_FEATURES,
     PREFIX_GLOBAL_FEATURES,
+    TPOT_FIT_GLOBAL_FEATURES,
+    TPOT_FIT_LADDER,
     TRAFFIC_GLOBAL_FEATURES,
     ObservationBuilder,
+    TpotFit,
     feature_names,
     observation_size,
 )
@@ -239,3 +242,96 @@ def test_v6_is_v5_plus_the_smoothed_prefix_hit_rate() -> None:
     assert 0.7 > rates[0] > rates[1] > rates[-1] > 0.0 and rates[-1] < 0.2
     v6.reset()
     assert v6.build(idle, (0.0,) * 5)[-1] == 0.0
+
+
+def _info_v7(tpot_s: float, pools: dict[str, int] | None = None) -> DeploymentInfo:
+    # a real deployment's profiles: the TPOT fit needs the step-time model
+    return DeploymentInfo(buckets=BUCKETS, pools=pools or {"fp16": 1}, gpu="a100-80g",
+                          model="llama-2-7b", default_max_num_seqs=256,
+                          max_num_batched_tokens=2048, num_kv_blocks={"fp16": 4096},
+                          block_size=16, max_model_len=4096, tick_s=1.0,
+                          sla=SLA(ttft_s=1.0, tpot_s=tpot_s), capacity_rps=4.0)
+
+
+def test_v7_is_v6_plus_the_tpot_fit_and_needs_real_profiles() -> None:
+    names6, names7 = feature_names(BUCKETS.names, 6), feature_names(BUCKETS.names, 7)
+    assert names7 == names6 + list(TPOT_FIT_GLOBAL_FEATURES)
+    assert observation_size(len(BUCKETS), 7) == len(names7)
+    # one tick of 5000 prompt tokens smooths to 164 per s; at 15 ms totals up to 32 fit
+    v6 = ObservationBuilder(_info_v7(0.015), max_cap=64, version=6)
+    v7 = ObservationBuilder(_info_v7(0.015), max_cap=64, version=7)
+    np.testing.assert_array_equal(v7.initial()[:-1], v6.initial())
+    stats = deployment_stats((engine_stats(0, "fp16", prefill=5000, decode=500, finished=(
+        record(0, 0, output_tokens=300),)),))
+    o6, o7 = v6.build(stats, (0.0,) * 5), v7.build(stats, (0.0,) * 5)
+    np.testing.assert_array_equal(o7[:-1], o6)
+    assert o7[-1] == np.float32(6 / len(TPOT_FIT_LADDER))
+    with pytest.raises(ValueError, match="version 7 predicts TPOT"):
+        ObservationBuilder(_info_v3(2.0), max_cap=64, version=7)
+
+
+def test_the_tpot_fit_is_the_fixed_point_of_the_step_time() -> None:
+    """The predicted time carries the prefill that arrives during it: t = step(r t, N, N c)."""
+    fit = TpotFit.for_deployment(_info_v7(0.05))
+    model = fit.step_model
+    t = fit.tpot_s_at(32, 5000.0, 3000.0, 200.0)
+    chunk = int(5000.0 * t)
+    assert 0 < chunk < 2048 - 32
+    assert t == pytest.approx(model.step_time_s(chunk, chunk * 1500.0, 32, 32 * 3100), rel=1e-3)
+    assert t > model.step_time_s(0, 0.0, 32, 32 * 3100)  # the prefill costs time
+    # the token budget bounds the prefill of one iteration
+    assert fit.tpot_s_at(32, 1e9, 3000.0, 200.0) == pytest.approx(
+        model.step_time_s(2048 - 32, (2048 - 32) * 1500.0, 32, 32 * 3100))
+
+
+@pytest.mark.parametrize("tpot_s, prefill, prompt, output, fewer", [
+    (0.03, 0.0, 1000.0, 300.0, "a tighter TPOT"),
+    (0.05, 8000.0, 1000.0, 300.0, "more prefill to compute"),
+    (0.05, 0.0, 3000.0, 300.0, "longer prompts"),
+    (0.05, 0.0, 1000.0, 1500.0, "longer outputs"),
+])
+def test_the_tpot_fit_admits_fewer_totals_under(tpot_s: float, prefill: float, prompt: float,
+                                                output: float, fewer: str) -> None:
+    base = TpotFit.for_deployment(_info_v7(0.05)).share(0.0, 1000.0, 300.0)
+    fit = TpotFit.for_deployment(_info_v7(tpot_s))
+    assert 0.0 < fit.share(prefill, prompt, output) < base < 1.0, fewer
+    # the share counts exactly the ladder's totals whose prediction meets the limit
+    share = fit.share(prefill, prompt, output)
+    meets = [fit.tpot_s_at(n, prefill, prompt, output) <= tpot_s for n in TPOT_FIT_LADDER]
+    assert share == sum(meets) / len(TPOT_FIT_LADDER) and meets == sorted(meets, reverse=True)
+
+
+def test_the_tpot_fit_predicts_the_simulated_tpot() -> None:
+    """On long-context traffic at a fixed total, the prediction from the smoothed readings
+    is within 10% of the TPOT the simulator measures (median over requests)."""
+    from rlbatch.control.controllers import make_controller
+    from rlbatch.serving.admission import AdmissionConfig
+    from rlbatch.serving.deployment import DeploymentSpec
+    from rlbatch.serving.run import run
+    from rlbatch.workload.families import family_workload
+
+    spec = DeploymentSpec(admission=AdmissionConfig(over_length="truncate"),
+                          sla=SLA(1.0, 0.05))
+    controller = make_controller("fixed:48[order=deadline]")
+    built: list[ObservationBuilder] = []
+    predicted: list[float] = []
+    measured: list[float] = []
+
+    def on_tick(stats: DeploymentStats) -> None:
+        if not built:
+            built.append(ObservationBuilder(controller.info, 256, version=7))  # type: ignore[attr-defined]
+        builder = built[0]
+        builder.build(stats, (0.0,) * 5)
+        tr = builder._trend
+        if stats.time_s > 60 and tr["finished"][0] > 0.1:
+            fit = builder._tpot_fit
+            assert fit is not None
+            predicted.append(fit.tpot_s_at(
+                max(stats.running_total, 1), tr["prefill"][0],
+                tr["prompts"][0] / tr["finished"][0], tr["outputs"][0] / tr["finished"][0]))
+        measured.extend(r.tpot_s for r in stats.finished
+                        if not r.rejected and r.output_tokens > 1)
+
+    run(family_workload("report", 1.0, 300.0, 7001), controller, spec, on_tick=on_tick)
+    assert len(predicted) > 100 and len(measured) > 100
+    assert float(np.median(predicted)) == pytest.approx(float(np.median(measured)), rel=0.1)
