@@ -322,13 +322,11 @@ def test_the_tpot_fit_predicts_the_simulated_tpot() -> None:
             built.append(ObservationBuilder(controller.info, 256, version=7))  # type: ignore[attr-defined]
         builder = built[0]
         builder.build(stats, (0.0,) * 5)
-        tr = builder._trend
-        if stats.time_s > 60 and tr["finished"][0] > 0.1:
-            fit = builder._tpot_fit
+        if stats.time_s > 60:
+            fit = builder.tpot_fit
             assert fit is not None
-            predicted.append(fit.tpot_s_at(
-                max(stats.running_total, 1), tr["prefill"][0],
-                tr["prompts"][0] / tr["finished"][0], tr["outputs"][0] / tr["finished"][0]))
+            predicted.append(fit.tpot_s_at(max(stats.running_total, 1),
+                                           *builder.tpot_fit_inputs(len(stats.engines))))
         measured.extend(r.tpot_s for r in stats.finished
                         if not r.rejected and r.output_tokens > 1)
 

@@ -336,17 +336,27 @@ class ObservationBuilder:
                 sum(busy) / len(busy) if busy else 0.0,
                 *self._sla]
 
-    def _tpot_fit_share(self, stats: DeploymentStats) -> float:
-        # reads the smoothed rates _traffic updated this tick
-        assert self._tpot_fit is not None
+    @property
+    def tpot_fit(self) -> TpotFit | None:
+        """Version 7's TPOT predictor (None below version 7)."""
+        return self._tpot_fit
+
+    def tpot_fit_inputs(self, engines: int = 1) -> tuple[float, float, float]:
+        """What the TPOT fit reads after the last :meth:`build`: prompt tokens per second to
+        prefill per engine, and the smoothed mean prompt and output tokens of finished
+        requests (the reference lengths before any finished)."""
         tr = self._trend
-        engines = max(len(stats.engines), 1)
         if tr["finished"][0] > 1e-9:
             prompt = tr["prompts"][0] / tr["finished"][0]
             output = tr["outputs"][0] / tr["finished"][0]
         else:
             prompt, output = float(REFERENCE_PROMPT_TOKENS), float(REFERENCE_OUTPUT_TOKENS)
-        return self._tpot_fit.share(tr["prefill"][0] / engines, prompt, output)
+        return tr["prefill"][0] / max(engines, 1), prompt, output
+
+    def _tpot_fit_share(self, stats: DeploymentStats) -> float:
+        # reads the smoothed rates _traffic updated this tick
+        assert self._tpot_fit is not None
+        return self._tpot_fit.share(*self.tpot_fit_inputs(len(stats.engines)))
 
     def _prefix_hit_rate(self, stats: DeploymentStats, tick: float) -> float:
         # smoothed as a ratio of smoothed counts: a tick with one short lookup must not swing it
