@@ -162,7 +162,10 @@ def _add_recipe_options(g: argparse._ArgumentGroup, r: RecipeConfig) -> None:
     g.add_argument("--obs-version", type=int, choices=OBS_VERSIONS, default=r.obs_version,
                    help="the student's observation version (4: version 3 without the "
                         "action in force, so that the student cannot copy its last action; 5: "
-                        "version 4 plus the kind of traffic and the SLA)")
+                        "version 4 plus the kind of traffic and the SLA; 6: version 5 plus "
+                        "the prefix-cache hit rate; 7: version 6 plus the share of the total "
+                        "ladder whose TPOT, predicted from the deployment's profiles, meets "
+                        "the SLA)")
     g.add_argument("--selection-knee", action="store_true",
                    help="select the checkpoint on validation windows at the rate scales where "
                         "the training traffic is contested on --gpu/--model/--pools (scanned "
