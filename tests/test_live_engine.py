@@ -76,8 +76,9 @@ def fp8_engine(clock: LiveClock) -> Iterator[VllmEngine]:
     engine.close()
 
 
-def _drain(engine: VllmEngine, limit_s: float = 30.0) -> list[EngineStats]:
-    """Step an engine until idle, snapshot at the end."""
+def _drain(engine: VllmEngine, limit_s: float = 120.0) -> list[EngineStats]:
+    """Step an engine until idle, snapshot at the end. The limit catches a hang, not a slow
+    machine: a drain of 30 s alone took 57 s on 2 cores shared with a simulator job."""
     deadline = engine.now_s + limit_s
     while not engine.is_idle():
         assert engine.now_s < deadline, "engine did not drain"
