@@ -443,15 +443,16 @@ class Recipe:
         seeds = [None if excursion_seeds is None else excursion_seeds[i]
                  for i in range(len(episodes))]
         if self.ray is None:
+            actor = (None if student is None  # as served, as in _episode_task
+                     else PpoController(load_artifact(student), name="student",
+                                        order=PPO_QUEUE_ORDER))
             bar = tqdm(episodes, desc="teacher" if student is None else "dagger",
                        unit="episode", disable=self.quiet, leave=False)
-            done = []
-            for i, (d, w) in enumerate(bar):
-                actor = (None if student is None  # as served, as in _episode_task
-                         else PpoController(load_artifact(student), name="student",
-                                            order=PPO_QUEUE_ORDER))
-                labeller = make_labeller(self.cfg, self.codec, actor, seeds[i])
-                done.append(collect(labeller, [w], self._spec(d, slas, i)))
+            # a labeller per episode: each has its own excursion seed (controllers reset
+            # fully every run, so the one actor serves them all)
+            done = [collect(make_labeller(self.cfg, self.codec, actor, seeds[i]), [w],
+                            self._spec(d, slas, i))
+                    for i, (d, w) in enumerate(bar)]
             return [demos for demos, _ in done], [row for _, rows in done for row in rows]
         from rlbatch.scale import connect, failed, run_tasks
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from rlbatch.control.action_codec import TOTAL_LADDER
 from rlbatch.control.types import DeploymentInfo, DeploymentStats
 from rlbatch.profiles.capacity import REFERENCE_OUTPUT_TOKENS, REFERENCE_PROMPT_TOKENS
 from rlbatch.profiles.step_time import StepTimeModel
@@ -92,7 +93,8 @@ while the prefill computed per second stays what it is; the feature is the share
 smallest total). A big batch of long contexts (RAG, reports) misses a tight TPOT where a
 chat batch of the same size meets it; the teacher sees that in its rollouts, the other
 features only once the batch has already missed."""
-TPOT_FIT_LADDER: tuple[int, ...] = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+TPOT_FIT_LADDER: tuple[int, ...] = TOTAL_LADDER
+"""The totals the fit counts: the ones a student's total action chooses among."""
 OBS_VERSIONS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7)
 """1: the snapshot features; 2: plus trends (smoothed rates, queue growth, totals), which
 need state across ticks; 3: version 2's features with every rate, queue and throughput in
@@ -431,7 +433,7 @@ class TpotFit:
         :raises ValueError: the GPU or model is not a known profile.
         """
         from rlbatch.profiles.specs import ProfileError, load_gpu, load_model
-        from rlbatch.profiles.step_time import RooflineStepTimeModel
+        from rlbatch.profiles.step_time import RooflineStepTimeModel, pool_precision
 
         try:
             gpu, model = load_gpu(info.gpu), load_model(info.model)
@@ -442,7 +444,7 @@ class TpotFit:
                 f"names or files for --gpu and --model") from None
         pool = info.pool_names[0] if info.pool_names else "fp16"
         step_model = RooflineStepTimeModel(
-            gpu, model, precision="fp8" if pool == "fp8" else "fp16",
+            gpu, model, precision=pool_precision(pool),
             max_num_batched_tokens=info.max_num_batched_tokens,
             max_num_seqs=max(info.default_max_num_seqs, 1))
         return cls(step_model, info.max_num_batched_tokens, info.sla.tpot_s)

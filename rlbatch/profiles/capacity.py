@@ -69,13 +69,13 @@ def profile_capacity_rps(gpu: str, model: str, pools: dict[str, int], *, max_num
     :raises ProfileError: an unknown profile.
     """
     from rlbatch.profiles.specs import load_gpu, load_model
-    from rlbatch.profiles.step_time import RooflineStepTimeModel
+    from rlbatch.profiles.step_time import RooflineStepTimeModel, pool_precision
 
     gpu_spec, model_spec = load_gpu(gpu), load_model(model)
     total = 0.0
     for pool, count in pools.items():
         step_model = RooflineStepTimeModel(
-            gpu_spec, model_spec, precision="fp8" if pool == "fp8" else "fp16",
+            gpu_spec, model_spec, precision=pool_precision(pool),
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
         blocks = (num_kv_blocks or {}).get(pool, 0) or step_model.kv_capacity_blocks(
             gpu_memory_utilization, block_size)

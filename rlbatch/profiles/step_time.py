@@ -42,9 +42,15 @@ __all__ = [
     "Precision",
     "RooflineStepTimeModel",
     "StepTimeModel",
+    "pool_precision",
 ]
 
 Precision = Literal["fp16", "fp8"]
+
+
+def pool_precision(pool: str) -> Precision:
+    """The precision a pool's engines compute in (``fp8`` for the FP8 pool, else ``fp16``)."""
+    return "fp8" if pool == "fp8" else "fp16"
 
 
 _NON_TORCH_RESERVE_BYTES = 512 * 2**20

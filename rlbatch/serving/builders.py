@@ -21,13 +21,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlbatch.engine.base import Engine
-from rlbatch.engine.config import EngineConfig, Precision, vllm_default_budgets
+from rlbatch.engine.config import EngineConfig, vllm_default_budgets
 from rlbatch.engine.host_tier import host_link_of
 from rlbatch.engine.reserve import KvReserveMode
 from rlbatch.engine.sim import SimEngine
 from rlbatch.engine.vllm.config import TINY_KV_CACHE_BYTES, TINY_MODEL, VllmEngineConfig
 from rlbatch.profiles import RooflineStepTimeModel, StepTimeModel, load_gpu, load_model
 from rlbatch.profiles.calibrated import CalibratedProfile, load_profile
+from rlbatch.profiles.step_time import pool_precision
 from rlbatch.serving.clients import ClientMix
 from rlbatch.serving.deployment import Deployment, DeploymentSpec, assemble_deployment
 
@@ -66,10 +67,6 @@ def build_deployment(spec: DeploymentSpec, live: VllmEngineConfig | None = None)
     return deployment
 
 
-def _precision(pool: str) -> Precision:
-    return "fp8" if pool == "fp8" else "fp16"
-
-
 def build_sim_deployment(spec: DeploymentSpec) -> Deployment:
     """The simulator with the roofline step-time model of ``spec.gpu`` and ``spec.model``.
 
@@ -91,7 +88,7 @@ def build_sim_deployment(spec: DeploymentSpec) -> Deployment:
     engines: list[Engine] = []
     step_models: dict[str, StepTimeModel] = {}
     for pool, count in spec.pools.items():
-        precision = _precision(pool)
+        precision = pool_precision(pool)
         config = EngineConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_tokens,
@@ -142,7 +139,7 @@ def profile_engine_config(profile: CalibratedProfile, pool: str, *,
     return EngineConfig(
         max_num_seqs=max_num_seqs or profile.max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens or profile.max_num_batched_tokens,
-        block_size=profile.block_size, precision=_precision(pool),
+        block_size=profile.block_size, precision=pool_precision(pool),
         max_model_len=profile.max_model_len,
         num_kv_blocks_override=profile.num_kv_blocks(pool))
 
