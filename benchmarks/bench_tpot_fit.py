@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from rlbatch.control.controllers import make_controller
-from rlbatch.control.observation import TPOT_FIT_LADDER, ObservationBuilder
+from rlbatch.control.observation import ObservationBuilder
+from rlbatch.control.tpot_fit import TPOT_FIT_LADDER
 from rlbatch.control.types import SLA, DeploymentStats
 from rlbatch.serving.admission import AdmissionConfig
 from rlbatch.serving.deployment import DeploymentSpec

@@ -85,7 +85,7 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     any lookup): long prompts with shared prefixes cost little prefill. ``obs_version=7`` is
     version 6 plus the share of the total ladder (4-256) whose TPOT, predicted by the
     deployment's step-time model at the traffic's mean context and prefill rate, meets the
-    SLA's (:class:`rlbatch.control.observation.TpotFit`; needs GPU and model profiles).
+    SLA's (:class:`rlbatch.control.tpot_fit.TpotFit`; needs GPU and model profiles).
 
     | index | feature | unit / normalisation |
     |---|---|---|

@@ -5,6 +5,8 @@ worst run and the runs with a bucket more than 5 points under the best static's 
     .venv/bin/python experiments/tune_gradient.py --jobs 2
     .venv/bin/python experiments/tune_gradient.py --controller ppo:runs/x/best \
         --grid 'release.tpot_tolerance=1,1.25,inf'      # any controller's settings
+    .venv/bin/python experiments/tune_gradient.py --controller 'fixed:256[order=deadline]' \
+        --grid 'guard.tpot_fit=true;guard.tpot_fit_margin=0.8,0.9,1' --sla-tpot-s 0.05
 
 Training runs: the Azure training window at the protocol's training rate scales and every
 traffic family (``rlbatch.workload.families``) at loads 0.8-1.2 on the family judge's
@@ -28,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from policies.evaluation.compare import CONTESTED, gmean, starved_buckets
 from policies.evaluation.families import DRIFT, STATICS, TRAINING_SEEDS, FamilyRun
 from policies.evaluation.protocol import training_runs
+from rlbatch.control.types import SLA
 from rlbatch.serving.admission import AdmissionConfig
 from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.tools.evaluate import EvalJob, run_jobs
@@ -52,8 +55,10 @@ def parse_grid(text: str) -> dict[str, tuple[str, ...]]:
 
 def grid_specs(grid: dict[str, tuple[Any, ...]], controller: str = "gradient") -> list[str]:
     keys = list(grid)
-    return [controller + "[" + ",".join(f"{k}={v}" for k, v in zip(keys, values, strict=True)) + "]"
-            for values in itertools.product(*(grid[k] for k in keys))]
+    name, bracket, kept = controller.partition("[")
+    kept = kept.removesuffix("]") + "," if bracket else ""
+    return [name + "[" + kept + ",".join(f"{k}={v}" for k, v in zip(keys, values, strict=True))
+            + "]" for values in itertools.product(*(grid[k] for k in keys))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,9 +69,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="settings to cross, e.g. 'increase=4,8;cooldown_s=15,30'")
     p.add_argument("--loads", default="0.8,1.0,1.2", help="family loads")
     p.add_argument("--controller", default="gradient",
-                   help="the controller whose settings the grid crosses")
+                   help="the controller whose settings the grid crosses (settings in brackets "
+                        "are kept: the grid's join them)")
+    p.add_argument("--sla-ttft-s", type=float, default=SLA().ttft_s)
+    p.add_argument("--sla-tpot-s", type=float, default=SLA().tpot_s)
     args = p.parse_args(argv)
-    spec = DeploymentSpec(admission=AdmissionConfig(over_length="truncate"))
+    spec = DeploymentSpec(admission=AdmissionConfig(over_length="truncate"),
+                          sla=SLA(args.sla_ttft_s, args.sla_tpot_s))
     candidates = grid_specs(args.grid, args.controller)
     controllers = [*STATICS, *candidates]
     workloads: list[tuple[str, EvalJob]] = []

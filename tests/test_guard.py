@@ -74,11 +74,12 @@ proposals = st.one_of(
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(proposals, st.one_of(st.none(), deployment_stats())), min_size=1,
-                max_size=6), st.sampled_from(["proportional", "halve", "no_batching"]))
+                max_size=6), st.sampled_from(["proportional", "halve", "no_batching"]),
+       st.booleans())
 def test_guard_output_is_always_safe_and_deterministic(
         sequence: list[tuple[ControlAction | None, DeploymentStats | None]],
-        fallback: str) -> None:
-    config = GuardConfig(p99_fallback=fallback)  # type: ignore[arg-type]
+        fallback: str, tpot_fit: bool) -> None:
+    config = GuardConfig(p99_fallback=fallback, tpot_fit=tpot_fit)  # type: ignore[arg-type]
     a, b = Guard(config), Guard(config)
     a.reset(INFO)
     b.reset(INFO)

@@ -15,13 +15,12 @@ from rlbatch.control.observation import (
     PER_BUCKET_FEATURES,
     PREFIX_GLOBAL_FEATURES,
     TPOT_FIT_GLOBAL_FEATURES,
-    TPOT_FIT_LADDER,
     TRAFFIC_GLOBAL_FEATURES,
     ObservationBuilder,
-    TpotFit,
     feature_names,
     observation_size,
 )
+from rlbatch.control.tpot_fit import TPOT_FIT_LADDER, TpotFit
 from rlbatch.control.types import SLA, DeploymentInfo, DeploymentStats
 from tests.factories import (
     BUCKETS,
@@ -266,7 +265,7 @@ def test_v7_is_v6_plus_the_tpot_fit_and_needs_real_profiles() -> None:
     o6, o7 = v6.build(stats, (0.0,) * 5), v7.build(stats, (0.0,) * 5)
     np.testing.assert_array_equal(o7[:-1], o6)
     assert o7[-1] == np.float32(6 / len(TPOT_FIT_LADDER))
-    with pytest.raises(ValueError, match="version 7 predicts TPOT"):
+    with pytest.raises(ValueError, match="predicts TPOT from the deployment's GPU and model"):
         ObservationBuilder(_info_v3(2.0), max_cap=64, version=7)
 
 

@@ -136,6 +136,10 @@ def _add_recipe_options(g: argparse._ArgumentGroup, r: RecipeConfig) -> None:
                    help="teacher workloads (behaviour cloning)")
     g.add_argument("--dagger-rounds", type=int, default=r.dagger_rounds)
     g.add_argument("--dagger-episodes", type=int, default=r.dagger_episodes)
+    g.add_argument("--tpot-fit", action=argparse.BooleanOptionalAction, default=r.tpot_fit,
+                   help="teacher and student act behind the guard's tpot_fit rule (the total "
+                        "held where the TPOT predicted from the deployment's profile meets "
+                        "the SLA's), and the student is served behind it")
     g.add_argument("--hold-release", action=argparse.BooleanOptionalAction,
                    default=r.hold_release,
                    help="train and serve the student behind the hold release "
@@ -285,6 +289,7 @@ def _recipe_config(args: argparse.Namespace, traces: tuple[str, ...],
                         episodes=args.episodes, episode_s=args.recipe_episode_s,
                         dagger_rounds=args.dagger_rounds, dagger_episodes=args.dagger_episodes,
                         dagger_focus=args.dagger_focus, hold_release=args.hold_release,
+                        tpot_fit=args.tpot_fit,
                         decision_ticks=args.decision_ticks, epochs=args.epochs,
                         obs_version=args.obs_version, selection_knee=args.selection_knee,
                         mix_share=args.mix_share, selection_mixes=args.selection_mixes,

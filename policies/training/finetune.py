@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from rlbatch.control.action_codec import SHARE_LADDER
 from rlbatch.control.discipline import PPO_QUEUE_ORDER
+from rlbatch.control.guard import GuardConfig
 from rlbatch.control.hold_release import HoldRelease
 from rlbatch.serving.run import tick_fields
 from rlbatch.workload import Workload
@@ -264,11 +265,13 @@ def _steps_per_env(cfg: FinetuneConfig, n_envs: int) -> int:
 
 def recipe_env_kwargs(gpu: str, model: str, pools: str, episode_s: float, obs_version: int,
                       decision_ticks: int, shares: tuple[float, ...] = SHARE_LADDER,
-                      hold_release: bool = True) -> dict[str, Any]:
+                      hold_release: bool = True,
+                      guard: GuardConfig | None = None) -> dict[str, Any]:
     """The env arguments that give a recipe student's spaces and deployment, and the hold
-    release (none with ``hold_release`` off) and queue order it is served with
-    (``ppo:PATH``'s defaults for its artifact)."""
-    return {"gpu": gpu, "model": model, "pools": pools, "episode_s": episode_s,
+    release (none with ``hold_release`` off), queue order and guard (``None``: the env's
+    default on the total ladder) it is served with (``ppo:PATH``'s defaults for its
+    artifact)."""
+    return {"gpu": gpu, "model": model, "pools": pools, "episode_s": episode_s, "guard": guard,
             "action_kind": "total_share", "obs_version": obs_version,
             "decision_ticks": decision_ticks, "shares": tuple(shares),
             "release": HoldRelease() if hold_release else None,

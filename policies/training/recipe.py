@@ -120,6 +120,10 @@ class RecipeConfig:
         behind the hold release (:mod:`rlbatch.control.hold_release`); off: without it, so
         that it learns from the teacher's labels not to hold requests past their TTFT
         instead of leaning on the rule (its artifact records ``hold_release: false``).
+    :param tpot_fit: the teacher and the student act behind the guard's ``tpot_fit`` rule
+        (the total held where the predicted TPOT meets the SLA's,
+        :mod:`rlbatch.control.tpot_fit`), and the artifact records it, so the student is
+        served behind it: it learns what to propose where the rule holds the TPOT edge.
     :param decision_ticks: ticks between two student decisions (held in between).
     :param obs_version: student observation version.
     :param net_arch: hidden layers of the student.
@@ -186,6 +190,7 @@ class RecipeConfig:
     dagger_episodes: int = 12
     dagger_focus: bool = True
     hold_release: bool = True
+    tpot_fit: bool = False
     decision_ticks: int = 5
     obs_version: int = 5
     net_arch: tuple[int, ...] = (64, 64)
@@ -259,6 +264,25 @@ class RecipeConfig:
                                   for k, v in recorded.items() if k in known}
         return cls(**values)
 
+    def teacher_spec(self) -> str:
+        """The teacher's controller spec, behind the ``tpot_fit`` rule when the recipe is.
+
+        :raises ValueError: ``tpot_fit`` with a teacher from a settings file.
+        """
+        if not self.tpot_fit:
+            return self.teacher
+        if self.teacher.endswith(".toml"):
+            raise ValueError("tpot_fit: set guard.tpot_fit = true in the teacher's settings "
+                             f"file {self.teacher!r}")
+        if self.teacher.endswith("]"):
+            return self.teacher[:-1] + ",guard.tpot_fit=true]"
+        return self.teacher + "[guard.tpot_fit=true]"
+
+    def student_guard(self, codec: TotalShareCodec) -> GuardConfig:
+        """The guard the student acts behind (and its artifact records): the default rules
+        on its total ladder, with the ``tpot_fit`` rule when the recipe has it."""
+        return GuardConfig(ladder=tuple(codec.totals), tpot_fit=self.tpot_fit)
+
     def excursion_plan(self) -> Excursions | None:
         """The teacher episodes' excursions (``None`` without them)."""
         plan = Excursions(self.excursions, self.excursion_decisions)
@@ -316,7 +340,7 @@ def make_labeller(cfg: RecipeConfig, codec: TotalShareCodec,
         excursions drawn from this seed (:class:`~policies.training.excursions.
         ExcursionController`).
     """
-    teacher = make_controller(cfg.teacher)
+    teacher = make_controller(cfg.teacher_spec())
     if not teacher.reports_proposals:
         raise ValueError(f"teacher {cfg.teacher!r} does not expose last_proposal")
     plan = cfg.excursion_plan()
@@ -369,7 +393,7 @@ def export_student(policy: Any, cfg: RecipeConfig, codec: TotalShareCodec, path:
         "pools": list(codec.pools),
         "recipe": "mpc teacher -> behaviour cloning -> DAgger -> PPO fine-tuning -> selection",
         # the student acts behind the guard ppo:PATH builds from its ladder (artifact_guard)
-        "guard": guard_record(GuardConfig(ladder=tuple(codec.totals))),
+        "guard": guard_record(cfg.student_guard(codec)),
         # served behind the hold release it drove behind in training (artifact_release)
         "hold_release": cfg.hold_release,
         # a student that reads the SLA serves the SLAs it was trained under (check_trained_sla)
@@ -550,7 +574,8 @@ class Recipe:
                           rate_scale=cfg.multiplier(d))
             sources.append((recipe_env_kwargs(gpu, model, cfg.pools, cfg.episode_s,
                                               cfg.obs_version, cfg.decision_ticks,
-                                              cfg.shares, cfg.hold_release),
+                                              cfg.shares, cfg.hold_release,
+                                              cfg.student_guard(self.codec)),
                             drawer(one, self.rng, self.traces)))
         bounds = self.fitted_range().get("obs_range")
         start = self.step

@@ -74,6 +74,18 @@ Rules, applied in this order to the proposed caps (each only ever lowers a cap):
     engine to 74-84 requests in held-back Azure's opening surge where vLLM alone runs
     121-141 (BENCHMARKS.md).
 
+``tpot_fit`` (off unless set)
+    the SLA's TPOT before it is missed: the step-time model of the deployment's GPU and model
+    profiles (:class:`~rlbatch.control.tpot_fit.TpotFit`) predicts one engine's iteration
+    time with N sequences decoding at the traffic's smoothed mean context while the prefill
+    computed per second stays what it is, and the total (and every cap) is held at the
+    largest N whose prediction meets ``tpot_fit_margin`` times the SLA's TPOT. Nothing is held
+    when not even one sequence meets it (a smaller batch cannot bring the TPOT within the SLA
+    then, it only queues). The ``p99`` rule acts once the window shows a breach, which on
+    long contexts comes one batch too late: on RAG at 1 s / 50 ms the TPOT limit sits between
+    24 and 32 running and one ladder step decides three times the goodput (BENCHMARKS.md).
+    Needs the deployment's GPU and model profiles; the fit takes the first pool's precision.
+
 ``max_seq_len`` truncation / rejection is enforced at admission (``GuardConfig.max_seq_len``
 and ``over_length`` feed the deployment's ``max_model_len``); truncated and rejected requests
 are counted in every evaluation row.
@@ -88,10 +100,12 @@ from typing import Literal
 
 from rlbatch.control.discipline import DEFAULT_KV_BUDGET, KvBudget
 from rlbatch.control.p99_trim import ProportionalTrim, nominal_lengths
+from rlbatch.control.tpot_fit import TRAFFIC_TAU_S, TpotFit, TrafficMeans
 from rlbatch.control.types import ANY_POOL, ControlAction, DeploymentInfo, DeploymentStats
 
 DEFAULT_LADDER: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
-RULES: tuple[str, ...] = ("sanitize", "warmup", "kv_high", "p99", "efficiency", "kv_budget")
+RULES: tuple[str, ...] = ("sanitize", "warmup", "kv_high", "p99", "efficiency", "kv_budget",
+                          "tpot_fit")
 P99_FALLBACKS: tuple[str, ...] = ("proportional", "halve", "no_batching")
 Caps = list[int | None]
 
@@ -135,6 +149,8 @@ class GuardConfig:
     :param kv_budget: the committed-KV admission budget (``None``: off).
     :param max_seq_len: longest prompt + output admitted (``None``: the model's context).
     :param over_length: ``truncate`` or ``reject`` requests longer than ``max_seq_len``.
+    :param tpot_fit: enable the predicted-TPOT ceiling on the total.
+    :param tpot_fit_margin: the ceiling's limit as a multiple of the SLA's TPOT.
     """
 
     ladder: tuple[int, ...] = DEFAULT_LADDER
@@ -162,6 +178,8 @@ class GuardConfig:
     kv_budget: KvBudget | None = DEFAULT_KV_BUDGET
     max_seq_len: int | None = None
     over_length: Literal["truncate", "reject"] = "truncate"
+    tpot_fit: bool = False
+    tpot_fit_margin: float = 0.85
 
     def __post_init__(self) -> None:
         if not self.ladder or any(c < 1 for c in self.ladder) or list(self.ladder) != sorted(
@@ -198,6 +216,8 @@ class GuardConfig:
             raise ValueError(f"p99_surge_ratio must be >= 0, got {self.p99_surge_ratio}")
         if self.p99_recover_step < 1:
             raise ValueError(f"p99_recover_step must be >= 1, got {self.p99_recover_step}")
+        if not 0 < self.tpot_fit_margin <= 2:
+            raise ValueError(f"tpot_fit_margin must be in (0, 2], got {self.tpot_fit_margin}")
         if self.over_length not in ("truncate", "reject"):
             raise ValueError(f"over_length must be 'truncate' or 'reject', got "
                              f"{self.over_length!r}")
@@ -243,6 +263,7 @@ class GuardState:
     efficiency_active: bool = False
     warmup_active: bool = False
     kv_budget_blocked: bool = False
+    tpot_fit_total: int | None = None
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RULES, 0))
 
 
@@ -267,9 +288,15 @@ class Guard:
         self._sla_tpot_s = 0.1
         self._cold_start = True
         self._trim = self._new_trim((512.0, 1536.0, 3072.0, 6144.0))
+        self._tpot_fit: TpotFit | None = None
+        self._traffic = TrafficMeans(TRAFFIC_TAU_S)
 
     def reset(self, info: DeploymentInfo) -> None:
-        """Start of a run: forget all state."""
+        """Start of a run: forget all state.
+
+        :raises ValueError: the ``tpot_fit`` rule is on and the deployment's GPU or model is
+            not a known profile.
+        """
         self.state = GuardState()
         self._pools = info.pool_names
         self._n_buckets = len(info.buckets)
@@ -277,6 +304,10 @@ class Guard:
         self._sla_tpot_s = info.sla.tpot_s
         self._cold_start = info.cold_start
         self._trim = self._new_trim(nominal_lengths(info))
+        self._traffic.reset()
+        margin = self.config.tpot_fit_margin
+        self._tpot_fit = (TpotFit.for_deployment(info, info.sla.tpot_s * margin)
+                          if self.config.tpot_fit else None)
 
     def _new_trim(self, lengths: tuple[float, ...]) -> ProportionalTrim:
         cfg = self.config
@@ -329,6 +360,8 @@ class Guard:
             if cfg.efficiency:
                 caps, total = self._efficiency(stats, caps, total, in_force, in_total,
                                                overrides)
+            if self._tpot_fit is not None:
+                caps, total = self._tpot_fit_rule(stats, caps, total, overrides)
             self.state.kv_budget_blocked = (bool(stats.kv_budget_blocked)
                                             and cfg.kv_budget is not None)
             if self.state.kv_budget_blocked:
@@ -485,6 +518,19 @@ class Guard:
         limit = _scale(in_force, lambda c: max(1, int(c * factor)))
         limit_total = None if in_total is None else max(1, int(in_total * factor))
         return self._limit(caps, total, limit, limit_total, "efficiency", overrides)
+
+    def _tpot_fit_rule(self, stats: DeploymentStats, caps: Caps, total: int | None,
+                       overrides: list[Override]) -> tuple[Caps, int | None]:
+        assert self._tpot_fit is not None
+        tick = stats.tick_s if stats.tick_s > 0 and math.isfinite(stats.tick_s) else 1.0
+        self._traffic.update(stats, tick)
+        largest = self._tpot_fit.largest_total(*self._traffic.fit_inputs(len(stats.engines)),
+                                               self.config.max_total_cap)
+        self.state.tpot_fit_total = largest or None
+        if not largest:
+            return caps, total
+        return self._limit(caps, total, (largest,) * self._n_buckets, largest, "tpot_fit",
+                           overrides)
 
     def flags(self) -> tuple[float, ...]:
         """Rule activity as 0/1 floats (warmup, kv_high, p99, efficiency, kv_budget) for the

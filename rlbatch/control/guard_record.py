@@ -93,7 +93,11 @@ def record_mismatch(record: Mapping[str, object], config: GuardConfig) -> list[s
     if revision != GUARD_REVISION:
         out.append(f"guard revision {revision} recorded, this rlbatch's rules are revision "
                    f"{GUARD_REVISION}")
+    try:  # a field the record lacks was its default then: a rule added since is off there
+        recorded: Mapping[str, object] = {**guard_record(guard_from_record(record)), **record}
+    except (TypeError, ValueError):
+        recorded = record
     for key, value in guard_record(config).items():
-        if key != "revision" and key in record and record[key] != value:
-            out.append(f"{key}: {record[key]!r} recorded, {value!r} in force")
+        if key != "revision" and key in recorded and recorded[key] != value:
+            out.append(f"{key}: {recorded[key]!r} recorded, {value!r} in force")
     return out

@@ -12,10 +12,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rlbatch.control.action_codec import TOTAL_LADDER
+from rlbatch.control.tpot_fit import TRAFFIC_TAU_S, TpotFit, TrafficMeans
 from rlbatch.control.types import DeploymentInfo, DeploymentStats
 from rlbatch.profiles.capacity import REFERENCE_OUTPUT_TOKENS, REFERENCE_PROMPT_TOKENS
-from rlbatch.profiles.step_time import StepTimeModel
 
 CLIP = 10.0
 
@@ -88,13 +87,12 @@ TPOT_FIT_GLOBAL_FEATURES: tuple[str, ...] = (
 )
 """Where the TPOT limit binds (version 7): the step-time model of the deployment's profile
 predicts one engine's iteration time with N sequences decoding at the traffic's mean context
-while the prefill computed per second stays what it is; the feature is the share of
-:data:`TPOT_FIT_LADDER` whose prediction stays within the SLA's TPOT (0: not even the
-smallest total). A big batch of long contexts (RAG, reports) misses a tight TPOT where a
-chat batch of the same size meets it; the teacher sees that in its rollouts, the other
-features only once the batch has already missed."""
-TPOT_FIT_LADDER: tuple[int, ...] = TOTAL_LADDER
-"""The totals the fit counts: the ones a student's total action chooses among."""
+while the prefill computed per second stays what it is (:mod:`rlbatch.control.tpot_fit`);
+the feature is the share of :data:`~rlbatch.control.tpot_fit.TPOT_FIT_LADDER` whose
+prediction stays within the SLA's TPOT (0: not even the smallest total). A big batch of long
+contexts (RAG, reports) misses a tight TPOT where a chat batch of the same size meets it; the
+teacher sees that in its rollouts, the other features only once the batch has already
+missed."""
 OBS_VERSIONS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7)
 """1: the snapshot features; 2: plus trends (smoothed rates, queue growth, totals), which
 need state across ticks; 3: version 2's features with every rate, queue and throughput in
@@ -111,8 +109,8 @@ persist for many ticks learns to copy the action in force, which predicts the ne
 best almost everywhere and worst where it matters: where the teacher changes its mind, so
 the student follows it late (the copycat problem of behaviour cloning from histories)."""
 TOTAL_NORM = 256.0
-TREND_TAU_S = 30.0
-"""Time constant of the smoothed rates: about the latency window."""
+TREND_TAU_S = TRAFFIC_TAU_S
+"""Time constant of the smoothed rates: about the latency window (the TPOT fit's too)."""
 
 
 def _restates_action(name: str) -> bool:
@@ -181,6 +179,8 @@ class ObservationBuilder:
                                    compare=False)
     _keep: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
     _tpot_fit: TpotFit | None = field(default=None, init=False, repr=False, compare=False)
+    _means: TrafficMeans = field(default_factory=lambda: TrafficMeans(TREND_TAU_S), init=False,
+                                 repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.version not in OBS_VERSIONS:
@@ -218,8 +218,8 @@ class ObservationBuilder:
         self._trend.clear()
         self._trend.update(arrivals=[0.0] * n_b, departures=[0.0] * n_b,
                            growth=[0.0] * n_b, queued=[0.0] * n_b, doomed=[0.0],
-                           prefill=[0.0], decode=[0.0], outputs=[0.0], finished=[0.0],
-                           prefix_queries=[0.0], prefix_hits=[0.0], prompts=[0.0])
+                           prefix_queries=[0.0], prefix_hits=[0.0])
+        self._means.reset()
 
     def initial(self) -> np.ndarray:
         """Observation before the first tick: idle deployment, nothing measured."""
@@ -317,21 +317,14 @@ class ObservationBuilder:
         return np.concatenate([obs[:n_kept][self._keep], obs[n_kept:]])
 
     def _traffic(self, stats: DeploymentStats, tick: float) -> list[float]:
-        tr = self._trend
-        alpha = 1.0 - math.exp(-tick / TREND_TAU_S)
-        tr["prefill"][0] += alpha * (max(stats.prefill_tokens, 0) / tick - tr["prefill"][0])
-        tr["decode"][0] += alpha * (max(stats.decode_tokens, 0) / tick - tr["decode"][0])
-        finished = [rec for rec in stats.finished if not rec.rejected]
-        tr["finished"][0] += alpha * (len(finished) / tick - tr["finished"][0])
-        tr["outputs"][0] += alpha * (sum(r.output_tokens for r in finished) / tick
-                                     - tr["outputs"][0])
-        tr["prompts"][0] += alpha * (sum(r.prompt_tokens for r in finished) / tick
-                                     - tr["prompts"][0])
-        computed = tr["prefill"][0] + tr["decode"][0]
-        mean_output = tr["outputs"][0] / tr["finished"][0] if tr["finished"][0] > 1e-9 else 0.0
+        means = self._means
+        means.update(stats, tick)
+        computed = means.prefill_per_s + means.decode_per_s
+        mean_output = (means.outputs_per_s / means.finished_per_s
+                       if means.finished_per_s > 1e-9 else 0.0)
         busy = [min(es.busy_s / tick, 1.0) for es in stats.engines]
         sla = self.info.sla
-        return [tr["prefill"][0] / computed if computed > 1e-9 else 0.0,
+        return [means.prefill_per_s / computed if computed > 1e-9 else 0.0,
                 math.log1p(mean_output) / math.log1p(OUTPUT_TOKENS_NORM),
                 stats.window.ttft_p99_all_s / sla.ttft_s,
                 stats.window.tpot_p99_all_s / sla.tpot_s,
@@ -344,16 +337,9 @@ class ObservationBuilder:
         return self._tpot_fit
 
     def tpot_fit_inputs(self, engines: int = 1) -> tuple[float, float, float]:
-        """What the TPOT fit reads after the last :meth:`build`: prompt tokens per second to
-        prefill per engine, and the smoothed mean prompt and output tokens of finished
-        requests (the reference lengths before any finished)."""
-        tr = self._trend
-        if tr["finished"][0] > 1e-9:
-            prompt = tr["prompts"][0] / tr["finished"][0]
-            output = tr["outputs"][0] / tr["finished"][0]
-        else:
-            prompt, output = float(REFERENCE_PROMPT_TOKENS), float(REFERENCE_OUTPUT_TOKENS)
-        return tr["prefill"][0] / max(engines, 1), prompt, output
+        """What the TPOT fit reads after the last :meth:`build`
+        (:meth:`~rlbatch.control.tpot_fit.TrafficMeans.fit_inputs`)."""
+        return self._means.fit_inputs(engines)
 
     def _tpot_fit_share(self, stats: DeploymentStats) -> float:
         # reads the smoothed rates _traffic updated this tick
@@ -401,90 +387,6 @@ class ObservationBuilder:
                 math.log1p(ratio),
                 (self._rate(tr["doomed"][0]) if self.version >= 3
                  else math.log1p(max(tr["doomed"][0], 0.0)))]
-
-
-class TpotFit:
-    """Predicted TPOT per total on one engine, from the deployment's step-time model.
-
-    An iteration with ``N`` sequences decoding at mean context ``c`` (prompt plus half the
-    output) also computes the prompt tokens that arrive meanwhile: with ``r`` prompt tokens
-    per second to compute, an iteration of ``t`` seconds carries ``r * t`` of them (at most
-    the token budget), so ``t`` is the fixed point of ``t = step(r * t, N, N * c)``. TPOT is
-    about that ``t``. Results are memoised on the inputs rounded to two significant digits.
-
-    :param step_model: one engine's step-time model.
-    :param max_num_batched_tokens: the engine's token budget per iteration.
-    :param tpot_s: the SLA's TPOT limit.
-    """
-
-    ITERATIONS = 6
-
-    def __init__(self, step_model: StepTimeModel, max_num_batched_tokens: int,
-                 tpot_s: float) -> None:
-        self.step_model = step_model
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.tpot_s = tpot_s
-        self._memo: dict[tuple[float, float, float], float] = {}
-
-    @classmethod
-    def for_deployment(cls, info: DeploymentInfo) -> TpotFit:
-        """The fit of the deployment's first pool, from its GPU and model profiles.
-
-        :raises ValueError: the GPU or model is not a known profile.
-        """
-        from rlbatch.profiles.specs import ProfileError, load_gpu, load_model
-        from rlbatch.profiles.step_time import RooflineStepTimeModel, pool_precision
-
-        try:
-            gpu, model = load_gpu(info.gpu), load_model(info.model)
-        except (ProfileError, OSError) as e:
-            raise ValueError(
-                f"observation version 7 predicts TPOT from the deployment's GPU and model "
-                f"profiles; {info.gpu!r} / {info.model!r} is not one ({e}): give profile "
-                f"names or files for --gpu and --model") from None
-        pool = info.pool_names[0] if info.pool_names else "fp16"
-        step_model = RooflineStepTimeModel(
-            gpu, model, precision=pool_precision(pool),
-            max_num_batched_tokens=info.max_num_batched_tokens,
-            max_num_seqs=max(info.default_max_num_seqs, 1))
-        return cls(step_model, info.max_num_batched_tokens, info.sla.tpot_s)
-
-    def tpot_s_at(self, total: int, prefill_tokens_per_s: float, prompt_tokens: float,
-                  output_tokens: float) -> float:
-        """Predicted iteration time with ``total`` sequences decoding."""
-        context = max(prompt_tokens, 0.0) + max(output_tokens, 0.0) / 2
-        decode_tokens = max(round(total * context), 0)
-        t = self.step_model.step_time_s(0, 0.0, total, decode_tokens)
-        for _ in range(self.ITERATIONS):
-            chunk = min(int(max(prefill_tokens_per_s, 0.0) * t),
-                        max(self.max_num_batched_tokens - total, 0))
-            # a chunk of a prompt of mean length attends to half the prompt on average
-            work = chunk * (max(prompt_tokens, 1.0) / 2)
-            t = self.step_model.step_time_s(chunk, work, total, decode_tokens)
-        return t
-
-    def share(self, prefill_tokens_per_s: float, prompt_tokens: float,
-              output_tokens: float) -> float:
-        """Share of :data:`TPOT_FIT_LADDER` whose predicted TPOT meets the limit."""
-        key = (_two_digits(prefill_tokens_per_s), _two_digits(prompt_tokens),
-               _two_digits(output_tokens))
-        if (hit := self._memo.get(key)) is not None:
-            return hit
-        fits = 0
-        for total in TPOT_FIT_LADDER:  # the time grows with the total: stop at the first miss
-            if self.tpot_s_at(total, *key) > self.tpot_s:
-                break
-            fits += 1
-        value = fits / len(TPOT_FIT_LADDER)
-        if len(self._memo) < 1 << 16:
-            self._memo[key] = value
-        return value
-
-
-def _two_digits(x: float) -> float:
-    if not (math.isfinite(x) and x > 0):
-        return 0.0
-    return float(f"{x:.2g}")
 
 
 def route_feature(pools: tuple[str, ...], route: str) -> float:

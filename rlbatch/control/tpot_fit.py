@@ -1,0 +1,180 @@
+"""Predicted TPOT per batch size, from the deployment's step-time model and its traffic.
+
+A big batch of long contexts (RAG, report generation) misses a tight TPOT where a chat batch
+of the same size meets it: each decode step reads every running sequence's KV, and the
+prompts that arrive meanwhile are prefilled in the same iterations. :class:`TpotFit` predicts
+one engine's iteration time with ``N`` sequences decoding at the traffic's mean context while
+the prefill computed per second stays what it is; :class:`TrafficMeans` keeps the smoothed
+traffic it reads. Observation version 7 states the share of the total ladder that fits
+(:mod:`rlbatch.control.observation`); the guard's ``tpot_fit`` rule caps the total at the
+largest that fits (:mod:`rlbatch.control.guard`). Both read the same two classes.
+"""
+
+from __future__ import annotations
+
+import math
+
+from rlbatch.control.action_codec import TOTAL_LADDER
+from rlbatch.control.types import DeploymentInfo, DeploymentStats
+from rlbatch.profiles.capacity import REFERENCE_OUTPUT_TOKENS, REFERENCE_PROMPT_TOKENS
+from rlbatch.profiles.step_time import StepTimeModel
+
+TRAFFIC_TAU_S = 30.0
+"""Time constant of the smoothed traffic: about the latency window."""
+TPOT_FIT_LADDER: tuple[int, ...] = TOTAL_LADDER
+"""The totals :meth:`TpotFit.share` counts: the ones a student's total action chooses among."""
+
+
+class TrafficMeans:
+    """The traffic the fit reads, smoothed over ``tau_s``: prompt and output tokens computed
+    per second, and requests finished per second with their prompt and output tokens.
+
+    :param tau_s: time constant of the exponential smoothing.
+    """
+
+    def __init__(self, tau_s: float = TRAFFIC_TAU_S) -> None:
+        self.tau_s = tau_s
+        self.prefill_per_s = self.decode_per_s = 0.0
+        self.finished_per_s = self.outputs_per_s = self.prompts_per_s = 0.0
+
+    def reset(self) -> None:
+        """Forget everything (start of a run)."""
+        self.prefill_per_s = self.decode_per_s = 0.0
+        self.finished_per_s = self.outputs_per_s = self.prompts_per_s = 0.0
+
+    def update(self, stats: DeploymentStats, tick_s: float) -> None:
+        """Fold in one tick of ``tick_s`` seconds."""
+        alpha = 1.0 - math.exp(-tick_s / self.tau_s)
+        self.prefill_per_s += alpha * (max(stats.prefill_tokens, 0) / tick_s
+                                       - self.prefill_per_s)
+        self.decode_per_s += alpha * (max(stats.decode_tokens, 0) / tick_s - self.decode_per_s)
+        finished = [rec for rec in stats.finished if not rec.rejected]
+        self.finished_per_s += alpha * (len(finished) / tick_s - self.finished_per_s)
+        self.outputs_per_s += alpha * (sum(r.output_tokens for r in finished) / tick_s
+                                       - self.outputs_per_s)
+        self.prompts_per_s += alpha * (sum(r.prompt_tokens for r in finished) / tick_s
+                                       - self.prompts_per_s)
+
+    def fit_inputs(self, engines: int = 1) -> tuple[float, float, float]:
+        """What :class:`TpotFit` reads: prompt tokens per second to prefill per engine, and
+        the mean prompt and output tokens of finished requests (the reference lengths before
+        any finished)."""
+        if self.finished_per_s > 1e-9:
+            prompt = self.prompts_per_s / self.finished_per_s
+            output = self.outputs_per_s / self.finished_per_s
+        else:
+            prompt, output = float(REFERENCE_PROMPT_TOKENS), float(REFERENCE_OUTPUT_TOKENS)
+        return self.prefill_per_s / max(engines, 1), prompt, output
+
+
+class TpotFit:
+    """Predicted TPOT per total on one engine, from the deployment's step-time model.
+
+    An iteration with ``N`` sequences decoding at mean context ``c`` (prompt plus half the
+    output) also computes the prompt tokens that arrive meanwhile: with ``r`` prompt tokens
+    per second to compute, an iteration of ``t`` seconds carries ``r * t`` of them (at most
+    the token budget), so ``t`` is the fixed point of ``t = step(r * t, N, N * c)``. TPOT is
+    about that ``t``. Results are memoised on the inputs rounded to two significant digits.
+
+    :param step_model: one engine's step-time model.
+    :param max_num_batched_tokens: the engine's token budget per iteration.
+    :param tpot_s: the TPOT limit the fit counts against (the SLA's, or a margin under it).
+    """
+
+    ITERATIONS = 6
+
+    def __init__(self, step_model: StepTimeModel, max_num_batched_tokens: int,
+                 tpot_s: float) -> None:
+        self.step_model = step_model
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.tpot_s = tpot_s
+        self._memo: dict[tuple[float, float, float], float] = {}
+        self._largest: dict[tuple[float, float, float, int], int] = {}
+
+    @classmethod
+    def for_deployment(cls, info: DeploymentInfo, tpot_s: float | None = None) -> TpotFit:
+        """The fit of the deployment's first pool, from its GPU and model profiles.
+
+        :param info: the deployment.
+        :param tpot_s: the limit (default: the SLA's TPOT).
+        :raises ValueError: the GPU or model is not a known profile.
+        """
+        from rlbatch.profiles.specs import ProfileError, load_gpu, load_model
+        from rlbatch.profiles.step_time import RooflineStepTimeModel, pool_precision
+
+        try:
+            gpu, model = load_gpu(info.gpu), load_model(info.model)
+        except (ProfileError, OSError) as e:
+            raise ValueError(
+                f"the TPOT fit (observation version 7, the guard's tpot_fit rule) predicts "
+                f"TPOT from the deployment's GPU and model profiles; {info.gpu!r} / "
+                f"{info.model!r} is not one ({e}): give profile names or files for --gpu "
+                f"and --model") from None
+        pool = info.pool_names[0] if info.pool_names else "fp16"
+        step_model = RooflineStepTimeModel(
+            gpu, model, precision=pool_precision(pool),
+            max_num_batched_tokens=info.max_num_batched_tokens,
+            max_num_seqs=max(info.default_max_num_seqs, 1))
+        return cls(step_model, info.max_num_batched_tokens,
+                   info.sla.tpot_s if tpot_s is None else tpot_s)
+
+    def tpot_s_at(self, total: int, prefill_tokens_per_s: float, prompt_tokens: float,
+                  output_tokens: float) -> float:
+        """Predicted iteration time with ``total`` sequences decoding."""
+        context = max(prompt_tokens, 0.0) + max(output_tokens, 0.0) / 2
+        decode_tokens = max(round(total * context), 0)
+        t = self.step_model.step_time_s(0, 0.0, total, decode_tokens)
+        for _ in range(self.ITERATIONS):
+            chunk = min(int(max(prefill_tokens_per_s, 0.0) * t),
+                        max(self.max_num_batched_tokens - total, 0))
+            # a chunk of a prompt of mean length attends to half the prompt on average
+            work = chunk * (max(prompt_tokens, 1.0) / 2)
+            t = self.step_model.step_time_s(chunk, work, total, decode_tokens)
+        return t
+
+    def share(self, prefill_tokens_per_s: float, prompt_tokens: float,
+              output_tokens: float) -> float:
+        """Share of :data:`TPOT_FIT_LADDER` whose predicted TPOT meets the limit."""
+        key = (_two_digits(prefill_tokens_per_s), _two_digits(prompt_tokens),
+               _two_digits(output_tokens))
+        if (hit := self._memo.get(key)) is not None:
+            return hit
+        fits = 0
+        for total in TPOT_FIT_LADDER:  # the time grows with the total: stop at the first miss
+            if self.tpot_s_at(total, *key) > self.tpot_s:
+                break
+            fits += 1
+        value = fits / len(TPOT_FIT_LADDER)
+        if len(self._memo) < 1 << 16:
+            self._memo[key] = value
+        return value
+
+    def largest_total(self, prefill_tokens_per_s: float, prompt_tokens: float,
+                      output_tokens: float, max_total: int) -> int:
+        """The largest total in ``[1, max_total]`` whose predicted TPOT meets the limit, 0
+        when not even one sequence does (bisection: the time grows with the total)."""
+        key = (_two_digits(prefill_tokens_per_s), _two_digits(prompt_tokens),
+               _two_digits(output_tokens), max_total)
+        if (hit := self._largest.get(key)) is not None:
+            return hit
+        def fits(n: int) -> bool:
+            return self.tpot_s_at(n, *key[:3]) <= self.tpot_s
+
+        if max_total < 1:
+            low = 0
+        elif fits(max_total):
+            low = max_total
+        else:
+            low, high = 0, max_total  # low fits (0 vacuously), high does not
+            while high - low > 1:
+                mid = (low + high) // 2
+                low, high = (mid, high) if fits(mid) else (low, mid)
+        if len(self._largest) < 1 << 16:
+            self._largest[key] = low
+        return low
+
+
+def _two_digits(x: float) -> float:
+    if not (math.isfinite(x) and x > 0):
+        return 0.0
+    return float(f"{x:.2g}")

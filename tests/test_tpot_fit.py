@@ -1,0 +1,197 @@
+"""The TPOT fit's largest total, the traffic it reads, and the guard's ``tpot_fit`` rule."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from rlbatch.control.controllers import make_controller
+from rlbatch.control.guard import Guard, GuardConfig
+from rlbatch.control.guard_record import guard_record, record_mismatch
+from rlbatch.control.tpot_fit import TpotFit, TrafficMeans
+from rlbatch.control.types import SLA, ControlAction, DeploymentInfo, DeploymentStats
+from rlbatch.engine.stats import FinishedRequest
+from rlbatch.serving.admission import AdmissionConfig
+from rlbatch.serving.deployment import DeploymentSpec
+from rlbatch.serving.run import run
+from rlbatch.workload.families import family_workload
+from tests.factories import BUCKETS, deployment_stats, engine_stats
+
+
+def _info(tpot_s: float = 0.05, gpu: str = "a100-80g") -> DeploymentInfo:
+    return DeploymentInfo(buckets=BUCKETS, pools={"fp16": 1}, gpu=gpu, model="llama-2-7b",
+                          default_max_num_seqs=256, max_num_batched_tokens=2048,
+                          num_kv_blocks={"fp16": 4096}, block_size=16, max_model_len=4096,
+                          tick_s=1.0, sla=SLA(ttft_s=1.0, tpot_s=tpot_s), capacity_rps=4.0)
+
+
+def _finished(prompt: int, output: int, n: int) -> tuple[FinishedRequest, ...]:
+    return tuple(FinishedRequest(request_id=i, bucket=2, pool="fp16", arrival_s=0.0,
+                                 prompt_tokens=prompt, output_tokens=output, ttft_s=0.5,
+                                 tpot_s=0.04, e2e_s=5.0, finish_s=1.0) for i in range(n))
+
+
+def _long_context_tick(t: float) -> DeploymentStats:
+    """A tick of RAG-like traffic: 3000-token prompts, 200-token answers, 600 prompt tokens a
+    second to compute."""
+    engine = engine_stats(prefill=600, decode=400, finished=_finished(3000, 200, 2))
+    return replace(deployment_stats((engine,)), time_s=t,
+                   action=ControlAction((None,) * 3, ("fp16",) * 3, 256))
+
+
+@pytest.mark.parametrize("prefill, prompt, output", [
+    (0.0, 1000.0, 300.0), (600.0, 3000.0, 200.0), (8000.0, 2000.0, 30.0), (0.0, 200.0, 50.0)])
+def test_largest_total_is_the_largest_that_meets_the_limit(prefill: float, prompt: float,
+                                                           output: float) -> None:
+    fit = TpotFit.for_deployment(_info(0.05))
+    largest = fit.largest_total(prefill, prompt, output, 256)
+    meets = [fit.tpot_s_at(n, prefill, prompt, output) <= 0.05 for n in range(1, 257)]
+    assert meets == sorted(meets, reverse=True)  # the time grows with the total
+    assert largest == sum(meets)
+
+
+def test_largest_total_ends() -> None:
+    assert TpotFit.for_deployment(_info(1e-4)).largest_total(0.0, 1000.0, 300.0, 256) == 0
+    assert TpotFit.for_deployment(_info(10.0)).largest_total(0.0, 1000.0, 300.0, 256) == 256
+    assert TpotFit.for_deployment(_info(10.0)).largest_total(0.0, 1000.0, 300.0, 0) == 0
+    # the margin: a lower limit holds fewer
+    tight = TpotFit.for_deployment(_info(0.05), tpot_s=0.045)
+    assert 0 < tight.largest_total(600.0, 3000.0, 200.0, 256) < TpotFit.for_deployment(
+        _info(0.05)).largest_total(600.0, 3000.0, 200.0, 256)
+
+
+def test_traffic_means_smooth_and_start_at_the_reference_lengths() -> None:
+    means = TrafficMeans(tau_s=30.0)
+    assert means.fit_inputs() == (0.0, 1024.0, 256.0)
+    for _ in range(200):
+        means.update(_long_context_tick(1.0), 1.0)
+    prefill, prompt, output = means.fit_inputs(engines=2)
+    assert prefill == pytest.approx(300.0 * (1 - math.exp(-200 / 30)))
+    assert prompt == pytest.approx(3000.0)
+    assert output == pytest.approx(200.0)
+    means.reset()
+    assert means.fit_inputs() == (0.0, 1024.0, 256.0)
+    one = TrafficMeans(tau_s=30.0)
+    one.update(_long_context_tick(1.0), 1.0)
+    assert one.prefill_per_s == pytest.approx(600.0 * (1 - math.exp(-1 / 30)))
+
+
+def test_the_rule_holds_the_total_at_the_largest_that_fits() -> None:
+    guard = Guard(GuardConfig(warmup=False, p99=False, tpot_fit=True))
+    guard.reset(_info(0.05))
+    proposal = ControlAction((None,) * 3, ("fp16",) * 3, 256)
+    for t in range(1, 120):
+        action, overrides = guard.check(proposal, _long_context_tick(float(t)))
+    fit = TpotFit.for_deployment(_info(0.05), tpot_s=0.05 * GuardConfig().tpot_fit_margin)
+    means = TrafficMeans()
+    for _ in range(119):
+        means.update(_long_context_tick(1.0), 1.0)
+    largest = fit.largest_total(*means.fit_inputs(), 256)
+    assert 8 < largest < 256
+    assert action.max_num_seqs == largest and guard.state.tpot_fit_total == largest
+    assert [(o.rule, o.before, o.after) for o in overrides if o.bucket is None] == [
+        ("tpot_fit", 256, largest)]
+    assert action.caps == (largest,) * 3  # uncapped buckets go through admission at the total
+    # a smaller proposal is left alone
+    smaller, overrides = guard.check(replace(proposal, max_num_seqs=4), _long_context_tick(120.0))
+    assert smaller.max_num_seqs == 4 and not [o for o in overrides if o.rule == "tpot_fit"]
+
+
+def test_the_rule_is_off_by_default_and_holds_nothing_when_nothing_fits() -> None:
+    proposal = ControlAction((None,) * 3, ("fp16",) * 3, 256)
+    off = Guard(GuardConfig(warmup=False, p99=False))
+    off.reset(_info(0.05))
+    hopeless = Guard(GuardConfig(warmup=False, p99=False, tpot_fit=True))
+    hopeless.reset(_info(1e-4))  # not even one sequence decodes in 0.1 ms
+    for guard in (off, hopeless):
+        for t in range(1, 60):
+            action, overrides = guard.check(proposal, _long_context_tick(float(t)))
+            assert action.max_num_seqs == 256 and not overrides
+        assert guard.state.tpot_fit_total is None
+
+
+def test_the_rule_needs_real_profiles_and_a_valid_margin() -> None:
+    Guard(GuardConfig(tpot_fit=False)).reset(_info(gpu="no-such-gpu"))  # off: not needed
+    with pytest.raises(ValueError, match="predicts TPOT from the deployment's GPU and model"):
+        Guard(GuardConfig(tpot_fit=True)).reset(_info(gpu="no-such-gpu"))
+    for margin in (0.0, -1.0, 2.5, math.nan):
+        with pytest.raises(ValueError, match="tpot_fit_margin"):
+            GuardConfig(tpot_fit_margin=margin)
+
+
+def test_a_record_without_the_rule_warns_when_it_is_on() -> None:
+    old = guard_record(GuardConfig())
+    del old["tpot_fit"], old["tpot_fit_margin"]  # written before the rule existed
+    assert record_mismatch(old, GuardConfig()) == []
+    assert record_mismatch(old, GuardConfig(tpot_fit=True)) == [
+        "tpot_fit: False recorded, True in force"]
+
+
+def test_the_rule_shrinks_a_big_batch_of_long_contexts_in_a_run() -> None:
+    """RAG at 1 s / 50 ms: the guarded constant runs every sequence it can (40 of them at the
+    median) and misses the TPOT; with the rule the total in force stays under that, at the
+    fit's edge, and more requests meet the SLA."""
+    spec = DeploymentSpec(admission=AdmissionConfig(over_length="truncate"),
+                          sla=SLA(1.0, 0.05))
+    workload = family_workload("rag", 1.0, 300.0, 11)
+    seen: dict[str, tuple[list[int], list[int]]] = {}
+    goodput: dict[str, float] = {}
+    for name in ("fixed:256[order=deadline]",
+                 "fixed:256[order=deadline,guard.tpot_fit=true]"):
+        totals: list[int] = []
+        running: list[int] = []
+
+        def on_tick(stats: DeploymentStats, totals: list[int] = totals,
+                    running: list[int] = running) -> None:
+            totals.append(stats.action.max_num_seqs or 0)
+            running.append(stats.running_total)
+
+        result = run(workload, make_controller(name), spec, on_tick=on_tick)
+        seen[name] = (totals, running)
+        goodput[name] = float(result.row["goodput_rps"])
+
+    def median(xs: list[int]) -> int:
+        return sorted(xs)[len(xs) // 2]
+
+    plain, held = seen["fixed:256[order=deadline]"], seen[
+        "fixed:256[order=deadline,guard.tpot_fit=true]"]
+    assert median(plain[0]) == 256
+    assert 16 < median(held[0]) < median(plain[1])
+    assert max(held[1][60:]) <= max(held[0][59:])  # the engine runs within the total
+    assert goodput["fixed:256[order=deadline,guard.tpot_fit=true]"] > goodput[
+        "fixed:256[order=deadline]"]
+
+
+def test_a_recipe_with_the_rule_puts_teacher_student_and_env_behind_it(tmp_path: Path) -> None:
+    from policies.artifact import copy_artifact
+    from policies.ppo import PpoController
+    from policies.training.command import _recipe_config, parse_args
+    from policies.training.finetune import recipe_env_kwargs
+    from policies.training.recipe import RecipeConfig, make_labeller
+
+    cfg = _recipe_config(parse_args(["--tpot-fit", "--train-deployments", "none"]), ())
+    assert cfg.tpot_fit and not _recipe_config(
+        parse_args(["--train-deployments", "none"]), ()).tpot_fit
+    codec = cfg.student_codec()
+    assert cfg.teacher_spec() == "mpc[guard.tpot_fit=true]"
+    assert replace(cfg, teacher="mpc[trims=false]").teacher_spec() == (
+        "mpc[trims=false,guard.tpot_fit=true]")
+    assert replace(cfg, tpot_fit=False).teacher_spec() == "mpc"
+    with pytest.raises(ValueError, match="settings file"):
+        replace(cfg, teacher="teacher.toml").teacher_spec()
+    teacher = make_labeller(cfg, codec).in_charge
+    assert teacher.pipeline is not None and teacher.pipeline.config.tpot_fit
+    guard = cfg.student_guard(codec)
+    assert guard.tpot_fit and guard.ladder == tuple(codec.totals)
+    assert not RecipeConfig(traces=()).student_guard(codec).tpot_fit
+    env = recipe_env_kwargs("a100-80g", "llama-2-7b", "fp16", 60.0, 7, 5, guard=guard)
+    assert env["guard"] == guard
+    # the artifact records the guard, and ppo:PATH serves behind the recorded one
+    student = copy_artifact(Path("policies/default"), tmp_path / "student",
+                            {"guard": guard_record(guard)})
+    served = make_controller(f"ppo:{student}")
+    assert isinstance(served, PpoController) and served.guard.config.tpot_fit
+    assert served.guard_warnings == []
