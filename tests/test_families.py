@@ -3,8 +3,11 @@ family judge and the recipe's family episodes."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,7 +15,9 @@ import pytest
 from policies.evaluation.families import (
     CONSTANTS,
     STATICS,
+    Baselines,
     FamilyRun,
+    evaluate_families,
     judge_family,
     pick_constant,
 )
@@ -23,7 +28,10 @@ from policies.training.episodes import (
     sample_episodes,
 )
 from policies.training.recipe import RecipeConfig
+from rlbatch.control.types import SLA
 from rlbatch.request import PREFIX_BLOCK_TOKENS
+from rlbatch.serving.admission import AdmissionConfig
+from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.workload import resolve_workload
 from rlbatch.workload.families import FAMILIES, chat_mix, drift, family_workload, rag, report_mix
 from rlbatch.workload.lengths import DEFAULT_CONTEXT_TOKENS
@@ -171,6 +179,40 @@ def test_judge_runs_name_every_static_and_constant_on_the_ladder() -> None:
     assert FamilyRun("drift", 1.0, 7).spec(600.0) == (
         "drift:families=code/chat,load=1,duration=1200,segment=300")
     assert FamilyRun("code", 0.9, 7).label == "code@7"
+
+
+def test_a_judge_on_an_earlier_judges_baselines_runs_only_the_candidates(tmp_path: Path) -> None:
+    spec = DeploymentSpec(admission=AdmissionConfig(over_length="truncate"), sla=SLA(1.0, 0.05))
+    small = {"families": ["code"], "loads": (1.0,), "seeds": (7001,), "training_seeds": (11,),
+             "duration_s": 40.0, "n_jobs": 1, "quiet": True}
+    full, constant, _ = evaluate_families(["fixed:8"], spec, **small)  # type: ignore[arg-type]
+    path = tmp_path / "judge.json"
+    path.write_text(json.dumps({"constant": constant, "rows": full}))
+    baselines = Baselines.load(path)
+    assert len(baselines.rows) == len(STATICS) + len(CONSTANTS) + 2  # fixed:8 is no baseline
+    again, constant_again, report = evaluate_families(
+        ["fixed:8", "fixed:12"], spec, baselines=baselines, **small)  # type: ignore[arg-type]
+    assert constant_again == constant and "### fixed:12" in report
+
+    def fixed8(rows: list[dict[str, Any]]) -> str:  # as text: NaN != NaN; wall time aside
+        return json.dumps([{k: v for k, v in r.items() if k not in ("speedup_x",)
+                            and not k.endswith("seconds")}
+                           for r in rows if r["controller"] == "fixed:8"])
+
+    assert fixed8(again) == fixed8(full)
+    assert {r["controller"] for r in again} == {r["controller"] for r in full} | {"fixed:12"}
+    with pytest.raises(ValueError, match="sla_tpot_s"):
+        evaluate_families(["fixed:8"], replace(spec, sla=SLA(1.0, 0.1)), baselines=baselines,
+                          **small)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="no static:4 row for code@7002"):
+        evaluate_families(["fixed:8"], spec, baselines=baselines,
+                          **{**small, "seeds": (7002,)})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="another duration"):
+        evaluate_families(["fixed:8"], spec, baselines=baselines,
+                          **{**small, "duration_s": 30.0})  # type: ignore[arg-type]
+    path.write_text("{}")
+    with pytest.raises(ValueError, match="not a family judge's --json"):
+        Baselines.load(path)
 
 
 def test_family_episodes_cover_every_family_and_only_when_asked() -> None:

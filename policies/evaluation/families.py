@@ -215,18 +215,99 @@ def render(rows: Sequence[dict[str, Any]], candidates: Sequence[str], families: 
     return "\n".join(out)
 
 
+BASELINES = (*STATICS, *CONSTANTS, *REFERENCES)
+"""The controllers every judge runs beside its candidates."""
+
+
+@dataclass(frozen=True)
+class Baselines:
+    """An earlier judge's baseline rows and constant (its ``--json``), reused for new
+    candidates on the same runs: the statics, constants and references take most of a
+    judge's time (``mpc`` plans by rollouts) and give the same rows every time.
+
+    :param rows: the earlier judge's rows.
+    :param constant: the constant it picked on its training seeds.
+    """
+
+    rows: tuple[dict[str, Any], ...]
+    constant: str
+
+    @classmethod
+    def load(cls, path: Path) -> Baselines:
+        """:raises ValueError: not a family judge's JSON."""
+        try:
+            data = json.loads(path.read_text())
+            rows, constant = data["rows"], str(data["constant"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: not a family judge's --json ({e})") from None
+        return cls(tuple(r for r in rows if r.get("controller") in BASELINES), constant)
+
+    def for_runs(self, runs: Sequence[FamilyRun], spec: DeploymentSpec,
+                 rate_scale: float) -> list[dict[str, Any]]:
+        """The baseline rows of ``runs``, every one of them.
+
+        :raises ValueError: a run or a baseline missing, or rows of another deployment, SLA
+            or load.
+        """
+        have = {(r["family"], float(r["load"]), int(r["seed"]), r["controller"]): r
+                for r in self.rows}
+        out = []
+        for run_ in runs:
+            for c in BASELINES:
+                row = have.get((run_.family, run_.load, run_.seed, c))
+                if row is None:
+                    raise ValueError(f"the baselines have no {c} row for {run_.label} at load "
+                                     f"{run_.load:g}: judge that run in full")
+                expected = {"gpu": spec.gpu, "model": spec.model,
+                            "sla_ttft_s": spec.sla.ttft_s, "sla_tpot_s": spec.sla.tpot_s,
+                            "rate_scale": run_.load * rate_scale}
+                for key, value in expected.items():
+                    if not _same(row.get(key), value):
+                        raise ValueError(f"the baselines' {c} row for {run_.label} has "
+                                         f"{key}={row.get(key)!r}, this judge {value!r}")
+                out.append(row)
+        return out
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, int | float) and isinstance(b, int | float):
+        return math.isclose(float(a), float(b), rel_tol=1e-9)
+    return a == b
+
+
 def evaluate_families(candidates: Sequence[str], spec: DeploymentSpec, *,
                       families: Sequence[str], loads: Sequence[float] = LOADS,
                       seeds: Sequence[int] = VALIDATION_SEEDS,
                       training_seeds: Sequence[int] = TRAINING_SEEDS,
                       duration_s: float = 600.0, rate_scale: float = 1.0, n_jobs: int = 2,
-                      quiet: bool = False) -> tuple[list[dict[str, Any]], str, str]:
+                      quiet: bool = False, baselines: Baselines | None = None,
+                      ) -> tuple[list[dict[str, Any]], str, str]:
     """Run the training runs (for the constant) and the judged runs; return the judged
-    rows, the constant and the Markdown report."""
-    base = [*STATICS, *CONSTANTS, *REFERENCES]
-    controllers = [*base, *(c for c in candidates if c not in base)]
-    train_runs = family_runs(families, loads, training_seeds)
+    rows, the constant and the Markdown report. With ``baselines`` only the candidates run
+    and the baselines' rows and constant stand for the rest; each candidate's run must have
+    been given the same requests as the baselines' (checked).
+
+    :raises ValueError: the baselines do not cover the runs (:meth:`Baselines.for_runs`).
+    """
     judged_runs = family_runs(families, loads, seeds)
+    if baselines is not None:
+        reused = baselines.for_runs(judged_runs, spec, rate_scale)
+        fresh = [c for c in candidates if c not in BASELINES]
+        jobs = family_jobs(fresh, judged_runs, spec, rate_scale, duration_s)
+        rows = _label(run_jobs(jobs, n_jobs=n_jobs, quiet=quiet, desc="families"), jobs,
+                      judged_runs, len(fresh))
+        submitted = {(r["trace"], float(r["load"])): r["submitted"] for r in reused}
+        for row in rows:
+            if row["submitted"] != submitted[(row["trace"], float(row["load"]))]:
+                raise ValueError(f"{row['controller']} on {row['trace']} at load "
+                                 f"{row['load']:g} was given {row['submitted']} requests, the "
+                                 f"baselines {submitted[(row['trace'], float(row['load']))]}: "
+                                 f"another duration or workload; judge in full")
+        judged = [*reused, *rows]
+        return judged, baselines.constant, render(judged, candidates, families,
+                                                  baselines.constant)
+    controllers = [*BASELINES, *(c for c in candidates if c not in BASELINES)]
+    train_runs = family_runs(families, loads, training_seeds)
     train_jobs = family_jobs(CONSTANTS, train_runs, spec, rate_scale, duration_s)
     judged_jobs = family_jobs(controllers, judged_runs, spec, rate_scale, duration_s)
     rows = run_jobs([*train_jobs, *judged_jobs], n_jobs=n_jobs, quiet=quiet, desc="families")
@@ -271,6 +352,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--markdown", type=Path, help="write the report here")
     p.add_argument("--jobs", type=int, default=2, help="runs in parallel (processes)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--baselines", type=Path, metavar="JSON",
+                   help="an earlier judge's --json on the same deployment, SLA, loads, seeds "
+                        "and duration: its statics, constants, mpc and gradient rows and its "
+                        "constant are reused and only the candidates run (minutes instead of "
+                        "half an hour)")
     add_deployment_options(p)
     p.set_defaults(over_length="truncate")
     args = p.parse_args(argv)
@@ -285,10 +371,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     scale = (args.rate_scale if args.rate_scale is not None
              else deployment_rate_scale(spec.gpu, spec.model, spec.pools))
-    rows, constant, report = evaluate_families(
-        candidates, spec, families=families, loads=args.loads, seeds=args.seeds,
-        training_seeds=args.training_seeds, duration_s=args.duration_s, rate_scale=scale,
-        n_jobs=args.jobs, quiet=args.quiet)
+    try:
+        baselines = None if args.baselines is None else Baselines.load(args.baselines)
+        rows, constant, report = evaluate_families(
+            candidates, spec, families=families, loads=args.loads, seeds=args.seeds,
+            training_seeds=args.training_seeds, duration_s=args.duration_s, rate_scale=scale,
+            n_jobs=args.jobs, quiet=args.quiet, baselines=baselines)
+    except ValueError as e:
+        p.error(str(e))
     print(report)
     if args.markdown:
         args.markdown.write_text(report + "\n")
