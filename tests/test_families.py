@@ -19,6 +19,7 @@ from policies.evaluation.families import (
     FamilyRun,
     evaluate_families,
     judge_family,
+    judge_settings,
     pick_constant,
 )
 from policies.training.episodes import (
@@ -187,7 +188,8 @@ def test_a_judge_on_an_earlier_judges_baselines_runs_only_the_candidates(tmp_pat
              "duration_s": 40.0, "n_jobs": 1, "quiet": True}
     full, constant, _ = evaluate_families(["fixed:8"], spec, **small)  # type: ignore[arg-type]
     path = tmp_path / "judge.json"
-    path.write_text(json.dumps({"constant": constant, "rows": full}))
+    path.write_text(json.dumps({"constant": constant, "rows": full, "settings": judge_settings(
+        spec, 40.0, (11,))}))
     baselines = Baselines.load(path)
     assert len(baselines.rows) == len(STATICS) + len(CONSTANTS) + 2  # fixed:8 is no baseline
     again, constant_again, report = evaluate_families(
@@ -207,12 +209,22 @@ def test_a_judge_on_an_earlier_judges_baselines_runs_only_the_candidates(tmp_pat
     with pytest.raises(ValueError, match="no static:4 row for code@7002"):
         evaluate_families(["fixed:8"], spec, baselines=baselines,
                           **{**small, "seeds": (7002,)})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="pools"):
+        evaluate_families(["fixed:8"], replace(spec, pools={"fp16": 2}), baselines=baselines,
+                          **small)  # type: ignore[arg-type]
+    for key, value in (("duration_s", 30.0), ("training_seeds", (12,))):
+        with pytest.raises(ValueError, match=f"judged with {key}"):
+            evaluate_families(["fixed:8"], spec, baselines=baselines,
+                              **{**small, key: value})  # type: ignore[arg-type]
+    # a file written before the settings were recorded: the request counts check the duration
+    unrecorded = replace(baselines, settings=None)
     with pytest.raises(ValueError, match="another duration"):
-        evaluate_families(["fixed:8"], spec, baselines=baselines,
+        evaluate_families(["fixed:8"], spec, baselines=unrecorded,
                           **{**small, "duration_s": 30.0})  # type: ignore[arg-type]
-    path.write_text("{}")
-    with pytest.raises(ValueError, match="not a family judge's --json"):
-        Baselines.load(path)
+    for text in ("{}", '{"constant": "c", "rows": [{"controller": "mpc"}]}', "[1]"):
+        path.write_text(text)
+        with pytest.raises(ValueError, match="not a family judge's --json"):
+            Baselines.load(path)
 
 
 def test_family_episodes_cover_every_family_and_only_when_asked() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -95,6 +96,19 @@ def test_the_rule_holds_the_total_at_the_largest_that_fits() -> None:
     assert [(o.rule, o.before, o.after) for o in overrides if o.bucket is None] == [
         ("tpot_fit", 256, largest)]
     assert action.caps == (largest,) * 3  # uncapped buckets go through admission at the total
+    assert all(o.bucket is None for o in overrides if o.rule == "tpot_fit")  # the total binds
+    # without a total, each bucket's cap is held (the only lever then)
+    caps_only, overrides = guard.check(ControlAction((64, None, 8), ("fp16",) * 3),
+                                       _long_context_tick(120.0))
+    assert caps_only.max_num_seqs is None
+    assert caps_only.caps == (largest, largest, 8)
+    assert {(o.bucket, o.after) for o in overrides if o.rule == "tpot_fit"} == {
+        (0, largest), (1, largest)}
+    # a copy (mpc's candidate pipelines) shares the fit and its memo, not the traffic read
+    twin = copy.deepcopy(guard)
+    assert twin._tpot_fit is guard._tpot_fit and twin._traffic is not guard._traffic
+    twin.check(proposal, _long_context_tick(121.0))
+    assert twin._traffic.prefill_per_s > guard._traffic.prefill_per_s  # one tick more read
     # a smaller proposal is left alone
     smaller, overrides = guard.check(replace(proposal, max_num_seqs=4), _long_context_tick(120.0))
     assert smaller.max_num_seqs == 4 and not [o for o in overrides if o.rule == "tpot_fit"]
@@ -179,6 +193,7 @@ def test_a_recipe_with_the_rule_puts_teacher_student_and_env_behind_it(tmp_path:
     assert cfg.teacher_spec() == "mpc[guard.tpot_fit=true]"
     assert replace(cfg, teacher="mpc[trims=false]").teacher_spec() == (
         "mpc[trims=false,guard.tpot_fit=true]")
+    assert replace(cfg, teacher="mpc[]").teacher_spec() == "mpc[guard.tpot_fit=true]"
     assert replace(cfg, tpot_fit=False).teacher_spec() == "mpc"
     with pytest.raises(ValueError, match="settings file"):
         replace(cfg, teacher="teacher.toml").teacher_spec()

@@ -42,6 +42,7 @@ from rlbatch.commands.options import (
     deployment_spec_from_args,
 )
 from rlbatch.control.action_codec import TOTAL_LADDER
+from rlbatch.control.guard_record import GUARD_REVISION
 from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.tools.evaluate import EvalJob, run_jobs
 from rlbatch.workload.families import FAMILIES
@@ -227,10 +228,13 @@ class Baselines:
 
     :param rows: the earlier judge's rows.
     :param constant: the constant it picked on its training seeds.
+    :param settings: what it was run with (:func:`judge_settings`; ``None`` in files written
+        before it was recorded: the runs' request counts are then the check on the duration).
     """
 
     rows: tuple[dict[str, Any], ...]
     constant: str
+    settings: dict[str, Any] | None = None
 
     @classmethod
     def load(cls, path: Path) -> Baselines:
@@ -238,9 +242,22 @@ class Baselines:
         try:
             data = json.loads(path.read_text())
             rows, constant = data["rows"], str(data["constant"])
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}: not a family judge's --json ({e})") from None
-        return cls(tuple(r for r in rows if r.get("controller") in BASELINES), constant)
+            settings = data.get("settings")
+            kept = tuple(r for r in rows if r.get("controller") in BASELINES)
+            if not all({"family", "load", "seed"} <= r.keys() for r in kept):
+                raise ValueError("rows without their family, load and seed")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{path}: not a family judge's --json ({e!r})") from None
+        return cls(kept, constant, settings if isinstance(settings, dict) else None)
+
+    def check_settings(self, settings: dict[str, Any]) -> None:
+        """:raises ValueError: the baselines were run with other settings."""
+        if self.settings is None:
+            return
+        for key, value in settings.items():
+            if key in self.settings and not _same(self.settings[key], value):
+                raise ValueError(f"the baselines were judged with {key}={self.settings[key]!r}, "
+                                 f"this judge has {value!r}: judge in full")
 
     def for_runs(self, runs: Sequence[FamilyRun], spec: DeploymentSpec,
                  rate_scale: float) -> list[dict[str, Any]]:
@@ -259,6 +276,7 @@ class Baselines:
                     raise ValueError(f"the baselines have no {c} row for {run_.label} at load "
                                      f"{run_.load:g}: judge that run in full")
                 expected = {"gpu": spec.gpu, "model": spec.model,
+                            "pools": ",".join(f"{p}:{n}" for p, n in spec.pools.items()),
                             "sla_ttft_s": spec.sla.ttft_s, "sla_tpot_s": spec.sla.tpot_s,
                             "rate_scale": run_.load * rate_scale}
                 for key, value in expected.items():
@@ -272,7 +290,20 @@ class Baselines:
 def _same(a: object, b: object) -> bool:
     if isinstance(a, int | float) and isinstance(b, int | float):
         return math.isclose(float(a), float(b), rel_tol=1e-9)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     return a == b
+
+
+def judge_settings(spec: DeploymentSpec, duration_s: float,
+                   training_seeds: Sequence[int]) -> dict[str, Any]:
+    """What a judge's ``--json`` records of how it ran, beyond what each row says: checked
+    when a later judge reuses it as baselines."""
+    return {"duration_s": duration_s, "training_seeds": list(training_seeds),
+            "guard_revision": GUARD_REVISION, "tp": spec.tp,
+            "max_num_seqs": spec.max_num_seqs,
+            "max_num_batched_tokens": spec.max_num_batched_tokens, "tick_s": spec.tick_s,
+            "clients": str(spec.clients)}
 
 
 def evaluate_families(candidates: Sequence[str], spec: DeploymentSpec, *,
@@ -291,6 +322,7 @@ def evaluate_families(candidates: Sequence[str], spec: DeploymentSpec, *,
     """
     judged_runs = family_runs(families, loads, seeds)
     if baselines is not None:
+        baselines.check_settings(judge_settings(spec, duration_s, training_seeds))
         reused = baselines.for_runs(judged_runs, spec, rate_scale)
         fresh = [c for c in candidates if c not in BASELINES]
         jobs = family_jobs(fresh, judged_runs, spec, rate_scale, duration_s)
@@ -385,8 +417,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         summaries = [judge_family(rows, c, f, constant)["summary"]
                      for c in candidates for f in families]
-        args.json.write_text(json.dumps({"constant": constant, "summaries": summaries,
-                                         "rows": rows}, indent=1, default=str) + "\n")
+        settings = judge_settings(spec, args.duration_s, args.training_seeds)
+        args.json.write_text(json.dumps({"constant": constant, "settings": settings,
+                                         "summaries": summaries, "rows": rows},
+                                        indent=1, default=str) + "\n")
     return 0
 
 

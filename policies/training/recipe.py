@@ -121,7 +121,7 @@ class RecipeConfig:
         that it learns from the teacher's labels not to hold requests past their TTFT
         instead of leaning on the rule (its artifact records ``hold_release: false``).
     :param tpot_fit: the teacher and the student act behind the guard's ``tpot_fit`` rule
-        (the total held where the predicted TPOT meets the SLA's,
+        (the total held where the predicted TPOT meets ``tpot_fit_margin`` x the SLA's,
         :mod:`rlbatch.control.tpot_fit`), and the artifact records it, so the student is
         served behind it: it learns what to propose where the rule holds the TPOT edge.
     :param decision_ticks: ticks between two student decisions (held in between).
@@ -274,6 +274,8 @@ class RecipeConfig:
         if self.teacher.endswith(".toml"):
             raise ValueError("tpot_fit: set guard.tpot_fit = true in the teacher's settings "
                              f"file {self.teacher!r}")
+        if self.teacher.endswith("[]"):
+            return self.teacher[:-1] + "guard.tpot_fit=true]"
         if self.teacher.endswith("]"):
             return self.teacher[:-1] + ",guard.tpot_fit=true]"
         return self.teacher + "[guard.tpot_fit=true]"

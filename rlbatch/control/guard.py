@@ -78,8 +78,9 @@ Rules, applied in this order to the proposed caps (each only ever lowers a cap):
     the SLA's TPOT before it is missed: the step-time model of the deployment's GPU and model
     profiles (:class:`~rlbatch.control.tpot_fit.TpotFit`) predicts one engine's iteration
     time with N sequences decoding at the traffic's smoothed mean context while the prefill
-    computed per second stays what it is, and the total (and every cap) is held at the
-    largest N whose prediction meets ``tpot_fit_margin`` times the SLA's TPOT. Nothing is held
+    computed per second stays what it is, and the total is held at the largest N whose
+    prediction meets ``tpot_fit_margin`` times the SLA's TPOT (a proposal without a total:
+    each bucket's cap, a weaker bound, since the buckets together may run more). Nothing is held
     when not even one sequence meets it (a smaller batch cannot bring the TPOT within the SLA
     then, it only queues). The ``p99`` rule acts once the window shows a breach, which on
     long contexts comes one batch too late: on RAG at 1 s / 50 ms the TPOT limit sits between
@@ -289,6 +290,7 @@ class Guard:
         self._cold_start = True
         self._trim = self._new_trim((512.0, 1536.0, 3072.0, 6144.0))
         self._tpot_fit: TpotFit | None = None
+        self._fit_key: tuple[object, ...] | None = None
         self._traffic = TrafficMeans(TRAFFIC_TAU_S)
 
     def reset(self, info: DeploymentInfo) -> None:
@@ -305,9 +307,16 @@ class Guard:
         self._cold_start = info.cold_start
         self._trim = self._new_trim(nominal_lengths(info))
         self._traffic.reset()
-        margin = self.config.tpot_fit_margin
-        self._tpot_fit = (TpotFit.for_deployment(info, info.sla.tpot_s * margin)
-                          if self.config.tpot_fit else None)
+        self._tpot_fit = self._fit_for(info) if self.config.tpot_fit else None
+
+    def _fit_for(self, info: DeploymentInfo) -> TpotFit:
+        # kept across runs of the same deployment and SLA: its memo outlives an episode
+        key = (info.gpu, info.model, info.pool_names[:1], info.max_num_batched_tokens,
+               info.default_max_num_seqs, info.sla.tpot_s * self.config.tpot_fit_margin)
+        if self._fit_key != key or self._tpot_fit is None:
+            self._tpot_fit = TpotFit.for_deployment(info, key[-1])
+            self._fit_key = key
+        return self._tpot_fit
 
     def _new_trim(self, lengths: tuple[float, ...]) -> ProportionalTrim:
         cfg = self.config
@@ -529,8 +538,10 @@ class Guard:
         self.state.tpot_fit_total = largest or None
         if not largest:
             return caps, total
-        return self._limit(caps, total, (largest,) * self._n_buckets, largest, "tpot_fit",
-                           overrides)
+        # under a total the total is the bound; without one each cap is (per bucket: the
+        # engine may still run up to buckets x largest)
+        per_bucket = (None if total is not None else largest,) * self._n_buckets
+        return self._limit(caps, total, per_bucket, largest, "tpot_fit", overrides)
 
     def flags(self) -> tuple[float, ...]:
         """Rule activity as 0/1 floats (warmup, kv_high, p99, efficiency, kv_budget) for the

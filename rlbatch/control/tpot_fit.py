@@ -91,6 +91,11 @@ class TpotFit:
         self._memo: dict[tuple[float, float, float], float] = {}
         self._largest: dict[tuple[float, float, float, int], int] = {}
 
+    def __deepcopy__(self, memo: dict[int, object]) -> TpotFit:
+        # immutable but for its memos, which are pure caches: copies (mpc's candidate
+        # pipelines) share it instead of copying up to 2 x 65,536 entries each
+        return self
+
     @classmethod
     def for_deployment(cls, info: DeploymentInfo, tpot_s: float | None = None) -> TpotFit:
         """The fit of the deployment's first pool, from its GPU and model profiles.
