@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from policies.evaluation.compare import CONTESTED, gmean, starved_buckets
 from policies.evaluation.families import DRIFT, STATICS, TRAINING_SEEDS, FamilyRun
 from policies.evaluation.protocol import training_runs
+from rlbatch.control.specs import with_overrides
 from rlbatch.control.types import SLA
 from rlbatch.serving.admission import AdmissionConfig
 from rlbatch.serving.deployment import DeploymentSpec
@@ -55,10 +56,8 @@ def parse_grid(text: str) -> dict[str, tuple[str, ...]]:
 
 def grid_specs(grid: dict[str, tuple[Any, ...]], controller: str = "gradient") -> list[str]:
     keys = list(grid)
-    name, bracket, kept = controller.partition("[")
-    kept = kept.removesuffix("]") + "," if bracket else ""
-    return [name + "[" + kept + ",".join(f"{k}={v}" for k, v in zip(keys, values, strict=True))
-            + "]" for values in itertools.product(*(grid[k] for k in keys))]
+    return [with_overrides(controller, [f"{k}={v}" for k, v in zip(keys, values, strict=True)])
+            for values in itertools.product(*(grid[k] for k in keys))]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,6 +63,7 @@ from rlbatch.control.discipline import PPO_QUEUE_ORDER
 from rlbatch.control.guard import GuardConfig
 from rlbatch.control.guard_record import guard_record
 from rlbatch.control.observation import OBS_VERSIONS, feature_names, observation_size
+from rlbatch.control.specs import with_overrides
 from rlbatch.control.types import SLA
 from rlbatch.engine.config import parse_pools
 from rlbatch.paths import default_training_traces
@@ -274,11 +275,7 @@ class RecipeConfig:
         if self.teacher.endswith(".toml"):
             raise ValueError("tpot_fit: set guard.tpot_fit = true in the teacher's settings "
                              f"file {self.teacher!r}")
-        if self.teacher.endswith("[]"):
-            return self.teacher[:-1] + "guard.tpot_fit=true]"
-        if self.teacher.endswith("]"):
-            return self.teacher[:-1] + ",guard.tpot_fit=true]"
-        return self.teacher + "[guard.tpot_fit=true]"
+        return with_overrides(self.teacher, ["guard.tpot_fit=true"])
 
     def student_guard(self, codec: TotalShareCodec) -> GuardConfig:
         """The guard the student acts behind (and its artifact records): the default rules
