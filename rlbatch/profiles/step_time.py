@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from rlbatch.profiles.overheads import EngineOverheads
 from rlbatch.profiles.roofline import (
@@ -136,6 +136,115 @@ class _Gemm:
     experts_per_token: int = 0
 
 
+def _check_tp(model: ModelSpec, tp: int) -> None:
+    """:raises ValueError: ``tp`` does not shard the model's attention heads evenly."""
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, got {tp}")
+    if model.num_heads % tp != 0:
+        raise ValueError(f"tp ({tp}) must divide num_heads ({model.num_heads}) of "
+                         f"{model.name}")
+    if model.mla is None and model.num_kv_heads % tp != 0 and tp % model.num_kv_heads != 0:
+        raise ValueError(f"tp ({tp}) and num_kv_heads ({model.num_kv_heads}) of "
+                         f"{model.name} must divide one another")
+
+
+class _AttentionShape(NamedTuple):
+    """Per rank: the attention projections, and what the attention kernels and rope read."""
+
+    gemms: list[_Gemm]
+    qkv_width: int
+    rope_values: int
+    prefill_flops_per_pair: float
+    decode_flops_per_kv: float
+    kv_values_rank: int
+
+
+def _attention_shape(model: ModelSpec, tp: int, wbpp: float, peak: float) -> _AttentionShape:
+    """Attention projections, rope bytes and attention FLOPs per token pair (dense GQA or
+    MLA)."""
+    h, layers = model.hidden_size, model.num_layers
+    heads = model.num_heads // tp
+    gemms: list[_Gemm] = []
+    if model.mla is None:
+        kv_heads = max(1, model.num_kv_heads // tp)
+        shapes = dense_linear_shapes(h, model.num_heads, model.num_kv_heads,
+                                     model.head_dim, model.intermediate_size,
+                                     model.gated_mlp, tp)
+        for op in ("attn_pre_proj", "attn_post_proj"):
+            gemms.append(_Gemm(layers, *shapes[op], wbpp, peak))
+        qkv_width = shapes["attn_pre_proj"][1]
+        rope_values = (heads + kv_heads) * model.head_dim
+        prefill_flops_per_pair = 4.0 * heads * model.head_dim
+        decode_flops_per_kv = 4.0 * heads * model.head_dim
+        kv_values_rank = 2 * kv_heads * model.head_dim
+    else:
+        m = model.mla
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        latent = m.kv_lora_rank + m.qk_rope_head_dim
+        if m.q_lora_rank is None:  # separate q_proj (sharded) and kv_a (replicated)
+            gemms.append(_Gemm(layers, h, heads * qk, wbpp, peak))
+            gemms.append(_Gemm(layers, h, latent, wbpp, peak))
+        else:  # fused q_a + kv_a (replicated), then q_b (sharded)
+            gemms.append(_Gemm(layers, h, m.q_lora_rank + latent, wbpp, peak))
+            gemms.append(_Gemm(layers, m.q_lora_rank, heads * qk, wbpp, peak))
+        gemms.append(_Gemm(layers, m.kv_lora_rank,
+                           heads * (m.qk_nope_head_dim + m.v_head_dim), wbpp, peak))
+        gemms.append(_Gemm(layers, heads * m.v_head_dim, h, wbpp, peak))
+        qkv_width = heads * qk + latent
+        rope_values = heads * m.qk_rope_head_dim + m.qk_rope_head_dim
+        prefill_flops_per_pair = 2.0 * heads * (qk + m.v_head_dim)
+        decode_flops_per_kv = 2.0 * heads * (latent + m.kv_lora_rank)
+        kv_values_rank = latent  # replicated on every rank
+    return _AttentionShape(gemms, qkv_width, rope_values, prefill_flops_per_pair,
+                           decode_flops_per_kv, kv_values_rank)
+
+
+class _MlpShape(NamedTuple):
+    """Per rank: the dense MLPs and MoE experts, and the elementwise activations they need."""
+
+    gemms: list[_Gemm]
+    width: int
+    act_values_per_token: float
+    routed_expert_params_per_gpu: float
+
+
+def _mlp_shape(gpu: GpuSpec, model: ModelSpec, tp: int, wbpp: float,
+               peak: float) -> _MlpShape:
+    """Dense MLP layers and MoE layers (router, shared and routed experts)."""
+    h, layers = model.hidden_size, model.num_layers
+    gemms: list[_Gemm] = []
+    mats = 2 if model.gated_mlp else 1
+    dense_layers = layers if model.moe is None else model.moe.first_dense_layers
+    act_values_per_token = 0.0  # elementwise activation bytes, summed over layers
+    if dense_layers:
+        ff = model.intermediate_size // tp
+        gemms.append(_Gemm(dense_layers, h, mats * ff, wbpp, peak))
+        gemms.append(_Gemm(dense_layers, ff, h, wbpp, peak))
+        act_values_per_token += dense_layers * (mats + 1) * ff
+    mlp_width = mats * model.intermediate_size // tp
+    routed_expert_params_per_gpu = 0.0
+    if model.moe is not None:
+        e = model.moe
+        moe_layers = layers - e.first_dense_layers
+        ei = e.expert_intermediate_size // tp
+        if moe_layers:
+            gemms.append(_Gemm(moe_layers, h, e.num_experts, 2.0, gpu.peak_flops_fp16))
+            if e.num_shared_experts:
+                se = e.num_shared_experts * ei
+                gemms.append(_Gemm(moe_layers, h, mats * se, wbpp, peak))
+                gemms.append(_Gemm(moe_layers, se, h, wbpp, peak))
+            gemms.append(_Gemm(moe_layers, h, mats * ei, wbpp, peak, e.num_experts,
+                               e.experts_per_token))
+            gemms.append(_Gemm(moe_layers, ei, h, wbpp, peak, e.num_experts,
+                               e.experts_per_token))
+            act_values_per_token += moe_layers * (mats + 1) * ei * (
+                e.experts_per_token + e.num_shared_experts)
+            routed_expert_params_per_gpu = float(
+                moe_layers * e.num_experts * (mats + 1) * h * ei)
+        mlp_width = max(mlp_width, mats * ei * (e.experts_per_token + e.num_shared_experts))
+    return _MlpShape(gemms, mlp_width, act_values_per_token, routed_expert_params_per_gpu)
+
+
 class RooflineStepTimeModel(StepTimeModel):
     """Roofline step-time model of vLLM V1 with fitted per-GPU efficiency factors.
 
@@ -179,14 +288,7 @@ class RooflineStepTimeModel(StepTimeModel):
         if precision not in ("fp16", "fp8"):
             raise ValueError(f"precision must be 'fp16' or 'fp8', got {precision!r}")
         tp = model.default_tp if tp is None else tp
-        if tp < 1:
-            raise ValueError(f"tp must be >= 1, got {tp}")
-        if model.num_heads % tp != 0:
-            raise ValueError(f"tp ({tp}) must divide num_heads ({model.num_heads}) of "
-                             f"{model.name}")
-        if model.mla is None and model.num_kv_heads % tp != 0 and tp % model.num_kv_heads != 0:
-            raise ValueError(f"tp ({tp}) and num_kv_heads ({model.num_kv_heads}) of "
-                             f"{model.name} must divide one another")
+        _check_tp(model, tp)
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) and "
                              f"max_num_seqs ({max_num_seqs}) must be >= 1")
@@ -208,71 +310,13 @@ class RooflineStepTimeModel(StepTimeModel):
         self.linear_peak_flops = peak
         self.kv_bytes_per_value = 1 if precision == "fp8" else 2
 
+        attention = _attention_shape(model, tp, wbpp, peak)
+        mlp = _mlp_shape(gpu, model, tp, wbpp, peak)
         h, layers = model.hidden_size, model.num_layers
-        heads = model.num_heads // tp
-        gemms: list[_Gemm] = []
-        # ---- attention projections, rope bytes, attention FLOPs per token pair
-        if model.mla is None:
-            kv_heads = max(1, model.num_kv_heads // tp)
-            shapes = dense_linear_shapes(h, model.num_heads, model.num_kv_heads,
-                                         model.head_dim, model.intermediate_size,
-                                         model.gated_mlp, tp)
-            for op in ("attn_pre_proj", "attn_post_proj"):
-                gemms.append(_Gemm(layers, *shapes[op], wbpp, peak))
-            qkv_width = shapes["attn_pre_proj"][1]
-            rope_values = (heads + kv_heads) * model.head_dim
-            prefill_flops_per_pair = 4.0 * heads * model.head_dim
-            decode_flops_per_kv = 4.0 * heads * model.head_dim
-            kv_values_rank = 2 * kv_heads * model.head_dim
-        else:
-            m = model.mla
-            qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-            latent = m.kv_lora_rank + m.qk_rope_head_dim
-            if m.q_lora_rank is None:  # separate q_proj (sharded) and kv_a (replicated)
-                gemms.append(_Gemm(layers, h, heads * qk, wbpp, peak))
-                gemms.append(_Gemm(layers, h, latent, wbpp, peak))
-            else:  # fused q_a + kv_a (replicated), then q_b (sharded)
-                gemms.append(_Gemm(layers, h, m.q_lora_rank + latent, wbpp, peak))
-                gemms.append(_Gemm(layers, m.q_lora_rank, heads * qk, wbpp, peak))
-            gemms.append(_Gemm(layers, m.kv_lora_rank,
-                               heads * (m.qk_nope_head_dim + m.v_head_dim), wbpp, peak))
-            gemms.append(_Gemm(layers, heads * m.v_head_dim, h, wbpp, peak))
-            qkv_width = heads * qk + latent
-            rope_values = heads * m.qk_rope_head_dim + m.qk_rope_head_dim
-            prefill_flops_per_pair = 2.0 * heads * (qk + m.v_head_dim)
-            decode_flops_per_kv = 2.0 * heads * (latent + m.kv_lora_rank)
-            kv_values_rank = latent  # replicated on every rank
-        # ---- MLPs
-        mats = 2 if model.gated_mlp else 1
-        dense_layers = layers if model.moe is None else model.moe.first_dense_layers
-        act_values_per_token = 0.0  # elementwise activation bytes, summed over layers
-        if dense_layers:
-            ff = model.intermediate_size // tp
-            gemms.append(_Gemm(dense_layers, h, mats * ff, wbpp, peak))
-            gemms.append(_Gemm(dense_layers, ff, h, wbpp, peak))
-            act_values_per_token += dense_layers * (mats + 1) * ff
-        mlp_width = mats * model.intermediate_size // tp
-        self._routed_expert_params_per_gpu = 0.0
-        if model.moe is not None:
-            e = model.moe
-            moe_layers = layers - e.first_dense_layers
-            ei = e.expert_intermediate_size // tp
-            if moe_layers:
-                gemms.append(_Gemm(moe_layers, h, e.num_experts, 2.0, gpu.peak_flops_fp16))
-                if e.num_shared_experts:
-                    se = e.num_shared_experts * ei
-                    gemms.append(_Gemm(moe_layers, h, mats * se, wbpp, peak))
-                    gemms.append(_Gemm(moe_layers, se, h, wbpp, peak))
-                gemms.append(_Gemm(moe_layers, h, mats * ei, wbpp, peak, e.num_experts,
-                                   e.experts_per_token))
-                gemms.append(_Gemm(moe_layers, ei, h, wbpp, peak, e.num_experts,
-                                   e.experts_per_token))
-                act_values_per_token += moe_layers * (mats + 1) * ei * (
-                    e.experts_per_token + e.num_shared_experts)
-                self._routed_expert_params_per_gpu = float(
-                    moe_layers * e.num_experts * (mats + 1) * h * ei)
-            mlp_width = max(mlp_width, mats * ei * (e.experts_per_token + e.num_shared_experts))
-        self._gemms = tuple(gemms)
+        rope_values = attention.rope_values
+        act_values_per_token = mlp.act_values_per_token
+        self._routed_expert_params_per_gpu = mlp.routed_expert_params_per_gpu
+        self._gemms = (*attention.gemms, *mlp.gemms)
 
         # ---- elementwise kernels: linear in tokens
         bw = gpu.hbm_bandwidth_bytes_s
@@ -296,10 +340,10 @@ class RooflineStepTimeModel(StepTimeModel):
         # ---- attention
         attn_peak = gpu.peak_flops_fp16 * eff.eff_attn_compute
         self._attn_fixed = layers * eff.op_overhead_s
-        self._prefill_per_work = layers * prefill_flops_per_pair / attn_peak
-        kv_bytes_layer = kv_values_rank * self.kv_bytes_per_value
+        self._prefill_per_work = layers * attention.prefill_flops_per_pair / attn_peak
+        kv_bytes_layer = attention.kv_values_rank * self.kv_bytes_per_value
         self._decode_per_kv = layers * max(kv_bytes_layer / (bw * eff.eff_attn_mem),
-                                           decode_flops_per_kv / attn_peak)
+                                           attention.decode_flops_per_kv / attn_peak)
         self._kv_bytes_per_token = layers * kv_bytes_layer
         # ---- LM head (bf16, vocab-parallel) and sampler (fp32 logits, read + write)
         self._vocab_rank = -(-model.vocab_size // tp)
@@ -307,8 +351,8 @@ class RooflineStepTimeModel(StepTimeModel):
         # ---- constant part of every non-empty iteration
         self._fixed = gpu.fixed_overhead_s + self._attn_fixed
         # ---- memory
-        self._qkv_width = qkv_width
-        self._mlp_width = mlp_width
+        self._qkv_width = attention.qkv_width
+        self._mlp_width = mlp.width
         # ---- memo tables (per instance; no global caches)
         self._token_cache: dict[int, float] = {}
         self._sample_cache: dict[int, float] = {}
