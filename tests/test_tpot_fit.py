@@ -11,8 +11,14 @@ import pytest
 
 from rlbatch.control.controllers import make_controller
 from rlbatch.control.guard import Guard, GuardConfig
-from rlbatch.control.guard_record import guard_record, record_mismatch
-from rlbatch.control.tpot_fit import TpotFit, TrafficMeans
+from rlbatch.control.guard_record import guard_from_record, guard_record, record_mismatch
+from rlbatch.control.tpot_fit import (
+    FitCalibration,
+    TpotFit,
+    TrafficMeans,
+    quantised_slowdown,
+    spread_slowdown,
+)
 from rlbatch.control.types import SLA, ControlAction, DeploymentInfo, DeploymentStats
 from rlbatch.engine.stats import FinishedRequest
 from rlbatch.serving.admission import AdmissionConfig
@@ -81,7 +87,8 @@ def test_traffic_means_smooth_and_start_at_the_reference_lengths() -> None:
 
 
 def test_the_rule_holds_the_total_at_the_largest_that_fits() -> None:
-    guard = Guard(GuardConfig(warmup=False, p99=False, tpot_fit=True))
+    guard = Guard(GuardConfig(warmup=False, p99=False, tpot_fit=True,
+                              tpot_fit_calibrated=False, tpot_fit_spread=0.0))
     guard.reset(_info(0.05))
     proposal = ControlAction((None,) * 3, ("fp16",) * 3, 256)
     for t in range(1, 120):
@@ -107,11 +114,94 @@ def test_the_rule_holds_the_total_at_the_largest_that_fits() -> None:
     # a copy (mpc's candidate pipelines) shares the fit and its memo, not the traffic read
     twin = copy.deepcopy(guard)
     assert twin._tpot_fit is guard._tpot_fit and twin._traffic is not guard._traffic
+    assert twin._calibration is not guard._calibration
     twin.check(proposal, _long_context_tick(121.0))
     assert twin._traffic.prefill_per_s > guard._traffic.prefill_per_s  # one tick more read
     # a smaller proposal is left alone
     smaller, overrides = guard.check(replace(proposal, max_num_seqs=4), _long_context_tick(120.0))
     assert smaller.max_num_seqs == 4 and not [o for o in overrides if o.rule == "tpot_fit"]
+
+
+def _running_tick(t: float, running: int, iterations: int, busy_s: float) -> DeploymentStats:
+    """A long-context tick whose engine ran ``running`` sequences in ``iterations`` iterations
+    of ``busy_s`` seconds in all."""
+    tick = _long_context_tick(t)
+    engine = replace(tick.engines[0], running=(0, 0, running), iterations=iterations,
+                     busy_s=busy_s)
+    return replace(tick, engines=(engine,))
+
+
+def test_the_calibration_reads_how_much_slower_the_iterations_run() -> None:
+    fit = TpotFit.for_deployment(_info(0.05))
+    means = TrafficMeans()
+    calibration = FitCalibration(tau_s=30.0)
+    assert calibration.slowdown == 1.0
+    for t in range(1, 200):
+        means.update(_long_context_tick(float(t)), 1.0)
+        predicted = fit.tpot_s_at(24, *means.fit_inputs())
+        calibration.update(fit, _running_tick(float(t), 24, 10, 10 * 1.5 * predicted), means,
+                           1.0)
+    # log 1.5 smoothed over 199 ticks (0.9987 of it), in 2% steps: exp(20 x 0.02)
+    assert calibration.log_ratio == pytest.approx(math.log(1.5) * (1 - math.exp(-199 / 30)))
+    assert calibration.slowdown == round(math.exp(0.4), 6)
+    before = calibration.log_ratio  # a tick without an iteration or a sequence leaves it
+    calibration.update(fit, _running_tick(200.0, 24, 0, 0.0), means, 1.0)
+    calibration.update(fit, _running_tick(200.0, 0, 10, 1.0), means, 1.0)
+    assert calibration.log_ratio == before
+    for t in range(400):  # one engine 100x slower: clipped to the range's end
+        calibration.update(fit, _running_tick(float(t), 24, 1, 100.0), means, 1.0)
+    assert calibration.slowdown == round(math.exp(69 * 0.02), 6)  # log 4 / 0.02 = 69.3
+    calibration.reset()
+    assert calibration.slowdown == 1.0 and calibration.log_ratio == 0.0
+
+
+def test_the_calibrated_rule_holds_less_where_the_engine_runs_slower_than_the_fit() -> None:
+    proposal = ControlAction((None,) * 3, ("fp16",) * 3, 256)
+    totals: dict[bool, int | None] = {}
+    for calibrated in (False, True):
+        guard = Guard(GuardConfig(warmup=False, p99=False, tpot_fit=True,
+                                  tpot_fit_calibrated=calibrated, tpot_fit_spread=0.0))
+        guard.reset(_info(0.05))
+        means = TrafficMeans()
+        for t in range(1, 120):  # 24 running at 100 ms an iteration: slower than predicted
+            tick = _running_tick(float(t), 24, 10, 1.0)
+            action, _ = guard.check(proposal, tick)
+            means.update(tick, 1.0)
+        fit = TpotFit.for_deployment(_info(0.05), tpot_s=0.05 * GuardConfig().tpot_fit_margin)
+        slowdown = guard.state.tpot_fit_slowdown
+        assert (slowdown > 1.5) if calibrated else (slowdown == 1.0)
+        assert action.max_num_seqs == fit.largest_total(*means.fit_inputs(), 256, slowdown)
+        totals[calibrated] = action.max_num_seqs
+    assert totals[True] is not None and totals[False] is not None
+    assert 0 < totals[True] < totals[False]
+
+
+def test_the_spread_allowance_shrinks_with_the_output_length() -> None:
+    assert spread_slowdown(450.0, 0.0) == 1.0
+    assert spread_slowdown(100.0, 1.0) == pytest.approx(1 / 0.9)
+    assert spread_slowdown(400.0, 1.0) == pytest.approx(1 / 0.95)
+    assert spread_slowdown(1.0, 2.0) == 4.0 == spread_slowdown(0.0, 1.0)  # at most 4
+    assert quantised_slowdown(1 / 0.9) == round(math.exp(5 * 0.02), 6)  # log 1.11 / 0.02 = 5.3
+    proposal = ControlAction((None,) * 3, ("fp16",) * 3, 256)
+    totals = {}
+    for spread in (0.0, 2.0):  # 200-token outputs: 1 / (1 - 2 / 14.1), 1.16 in 2% steps
+        guard = Guard(GuardConfig(warmup=False, p99=False, tpot_fit=True,
+                                  tpot_fit_calibrated=False, tpot_fit_spread=spread))
+        guard.reset(_info(0.05))
+        means = TrafficMeans()
+        for t in range(1, 60):
+            action, _ = guard.check(proposal, _long_context_tick(float(t)))
+            means.update(_long_context_tick(float(t)), 1.0)
+        slowdown = guard.state.tpot_fit_slowdown
+        assert slowdown == quantised_slowdown(spread_slowdown(200.0, spread))
+        fit = TpotFit.for_deployment(_info(0.05), tpot_s=0.05 * GuardConfig().tpot_fit_margin)
+        assert action.max_num_seqs == fit.largest_total(*means.fit_inputs(), 256, slowdown)
+        totals[spread] = action.max_num_seqs
+    assert slowdown == round(math.exp(8 * 0.02), 6)
+    assert totals[2.0] is not None and totals[0.0] is not None and totals[2.0] < totals[0.0]
+    for bad in (-0.1, 11.0, math.nan):
+        with pytest.raises(ValueError, match="tpot_fit_spread"):
+            GuardConfig(tpot_fit_spread=bad)
 
 
 def test_the_rule_is_off_by_default_and_holds_nothing_when_nothing_fits() -> None:
@@ -139,9 +229,19 @@ def test_the_rule_needs_real_profiles_and_a_valid_margin() -> None:
 def test_a_record_without_the_rule_warns_when_it_is_on() -> None:
     old = guard_record(GuardConfig())
     del old["tpot_fit"], old["tpot_fit_margin"]  # written before the rule existed
+    del old["tpot_fit_calibrated"], old["tpot_fit_spread"]
     assert record_mismatch(old, GuardConfig()) == []
+    assert guard_from_record(old) == GuardConfig()  # settings of a rule that never acted
     assert record_mismatch(old, GuardConfig(tpot_fit=True)) == [
         "tpot_fit: False recorded, True in force"]
+    # written behind the rule before its calibration and spread: rebuilt without them
+    trained = {**old, "tpot_fit": True, "tpot_fit_margin": 0.85}
+    assert guard_from_record(trained) == GuardConfig(
+        tpot_fit=True, tpot_fit_margin=0.85, tpot_fit_calibrated=False, tpot_fit_spread=0.0)
+    assert record_mismatch(trained, guard_from_record(trained)) == []
+    assert record_mismatch(trained, GuardConfig(tpot_fit=True, tpot_fit_margin=0.85)) == [
+        "tpot_fit_calibrated: False recorded, True in force",
+        "tpot_fit_spread: 0.0 recorded, 2.5 in force"]
 
 
 def test_the_rule_shrinks_a_big_batch_of_long_contexts_in_a_run() -> None:

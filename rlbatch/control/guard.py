@@ -86,6 +86,15 @@ Rules, applied in this order to the proposed caps (each only ever lowers a cap):
     long contexts comes one batch too late: on RAG at 1 s / 50 ms the TPOT limit sits between
     24 and 32 running and one ladder step decides three times the goodput (BENCHMARKS.md).
     Needs the deployment's GPU and model profiles; the fit takes the first pool's precision.
+    The prediction is scaled by how much slower than predicted the engines' iterations have
+    run (``tpot_fit_calibrated``, :class:`~rlbatch.control.tpot_fit.FitCalibration`): the fit
+    misses by a factor that depends on the traffic (bursty code-completion prompts run 1.5x
+    slower than predicted), which a fixed margin cannot cover both ways. And the limit sits
+    lower for short outputs, whose TPOT spreads more around the engine's mean iteration time
+    (``tpot_fit_spread``, :func:`~rlbatch.control.tpot_fit.spread_slowdown`). The defaults
+    (margin 1.05, spread 2.5, calibrated) are the best geo-mean of a guarded constant's
+    goodput over the best static's on the training traffic at three SLAs (1 s / 50 ms, 2 s /
+    100 ms, 5 s / 150 ms; ``experiments/tune_gradient.py``, BENCHMARKS.md).
 
 ``max_seq_len`` truncation / rejection is enforced at admission (``GuardConfig.max_seq_len``
 and ``over_length`` feed the deployment's ``max_model_len``); truncated and rejected requests
@@ -101,7 +110,14 @@ from typing import Literal
 
 from rlbatch.control.discipline import DEFAULT_KV_BUDGET, KvBudget
 from rlbatch.control.p99_trim import ProportionalTrim, nominal_lengths
-from rlbatch.control.tpot_fit import TRAFFIC_TAU_S, TpotFit, TrafficMeans
+from rlbatch.control.tpot_fit import (
+    TRAFFIC_TAU_S,
+    FitCalibration,
+    TpotFit,
+    TrafficMeans,
+    quantised_slowdown,
+    spread_slowdown,
+)
 from rlbatch.control.types import ANY_POOL, ControlAction, DeploymentInfo, DeploymentStats
 
 DEFAULT_LADDER: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -152,6 +168,11 @@ class GuardConfig:
     :param over_length: ``truncate`` or ``reject`` requests longer than ``max_seq_len``.
     :param tpot_fit: enable the predicted-TPOT ceiling on the total.
     :param tpot_fit_margin: the ceiling's limit as a multiple of the SLA's TPOT.
+    :param tpot_fit_calibrated: scale the ceiling's prediction by the engines' observed over
+        predicted iteration time.
+    :param tpot_fit_spread: the ceiling's allowance for a request's TPOT spreading around the
+        engine's mean iteration time, which shrinks with its output length
+        (:func:`~rlbatch.control.tpot_fit.spread_slowdown`; 0: none).
     """
 
     ladder: tuple[int, ...] = DEFAULT_LADDER
@@ -180,7 +201,9 @@ class GuardConfig:
     max_seq_len: int | None = None
     over_length: Literal["truncate", "reject"] = "truncate"
     tpot_fit: bool = False
-    tpot_fit_margin: float = 0.85
+    tpot_fit_margin: float = 1.05
+    tpot_fit_calibrated: bool = True
+    tpot_fit_spread: float = 2.5
 
     def __post_init__(self) -> None:
         if not self.ladder or any(c < 1 for c in self.ladder) or list(self.ladder) != sorted(
@@ -219,6 +242,8 @@ class GuardConfig:
             raise ValueError(f"p99_recover_step must be >= 1, got {self.p99_recover_step}")
         if not 0 < self.tpot_fit_margin <= 2:
             raise ValueError(f"tpot_fit_margin must be in (0, 2], got {self.tpot_fit_margin}")
+        if not 0 <= self.tpot_fit_spread <= 10:
+            raise ValueError(f"tpot_fit_spread must be in [0, 10], got {self.tpot_fit_spread}")
         if self.over_length not in ("truncate", "reject"):
             raise ValueError(f"over_length must be 'truncate' or 'reject', got "
                              f"{self.over_length!r}")
@@ -265,6 +290,7 @@ class GuardState:
     warmup_active: bool = False
     kv_budget_blocked: bool = False
     tpot_fit_total: int | None = None
+    tpot_fit_slowdown: float = 1.0
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RULES, 0))
 
 
@@ -292,6 +318,7 @@ class Guard:
         self._tpot_fit: TpotFit | None = None
         self._fit_key: tuple[object, ...] | None = None
         self._traffic = TrafficMeans(TRAFFIC_TAU_S)
+        self._calibration = FitCalibration(TRAFFIC_TAU_S)
 
     def reset(self, info: DeploymentInfo) -> None:
         """Start of a run: forget all state.
@@ -307,6 +334,7 @@ class Guard:
         self._cold_start = info.cold_start
         self._trim = self._new_trim(nominal_lengths(info))
         self._traffic.reset()
+        self._calibration.reset()
         self._tpot_fit = self._fit_for(info) if self.config.tpot_fit else None
 
     def _fit_for(self, info: DeploymentInfo) -> TpotFit:
@@ -533,9 +561,18 @@ class Guard:
         assert self._tpot_fit is not None
         tick = stats.tick_s if stats.tick_s > 0 and math.isfinite(stats.tick_s) else 1.0
         self._traffic.update(stats, tick)
-        largest = self._tpot_fit.largest_total(*self._traffic.fit_inputs(len(stats.engines)),
-                                               self.config.max_total_cap)
+        cfg = self.config
+        inputs = self._traffic.fit_inputs(len(stats.engines))
+        slowdown = 1.0
+        if cfg.tpot_fit_calibrated:
+            self._calibration.update(self._tpot_fit, stats, self._traffic, tick)
+            slowdown = self._calibration.slowdown
+        if cfg.tpot_fit_spread > 0:
+            slowdown = quantised_slowdown(slowdown * spread_slowdown(inputs[2],
+                                                                     cfg.tpot_fit_spread))
+        largest = self._tpot_fit.largest_total(*inputs, cfg.max_total_cap, slowdown)
         self.state.tpot_fit_total = largest or None
+        self.state.tpot_fit_slowdown = slowdown
         if not largest:
             return caps, total
         # under a total the total is the bound; without one each cap is (per bucket: the

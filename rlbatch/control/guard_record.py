@@ -78,6 +78,11 @@ def guard_from_record(record: Mapping[str, object]) -> GuardConfig:
     except ValueError as exc:
         raise ValueError(f"kv_budget_fraction / kv_commit: {exc}") from None
     values["kv_budget"] = budget if record.get("kv_budget", True) else None
+    if values.get("tpot_fit") is True:
+        # the rule's calibration and spread came after it: a policy trained behind the rule
+        # without them is rebuilt as it was trained, whatever today's defaults
+        values.setdefault("tpot_fit_calibrated", False)
+        values.setdefault("tpot_fit_spread", 0.0)
     return GuardConfig(**values)  # type: ignore[arg-type]
 
 

@@ -7,7 +7,9 @@ one engine's iteration time with ``N`` sequences decoding at the traffic's mean 
 the prefill computed per second stays what it is; :class:`TrafficMeans` keeps the smoothed
 traffic it reads. Observation version 7 states the share of the total ladder that fits
 (:mod:`rlbatch.control.observation`); the guard's ``tpot_fit`` rule caps the total at the
-largest that fits (:mod:`rlbatch.control.guard`). Both read the same two classes.
+largest that fits (:mod:`rlbatch.control.guard`). Both read the same two classes. The rule
+may also scale the prediction by how much slower (or faster) the engine's iterations have run
+than predicted (:class:`FitCalibration`).
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ class TpotFit:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.tpot_s = tpot_s
         self._memo: dict[tuple[float, float, float], float] = {}
-        self._largest: dict[tuple[float, float, float, int], int] = {}
+        self._largest: dict[tuple[float, float, float, int, float], int] = {}
 
     def __deepcopy__(self, memo: dict[int, object]) -> TpotFit:
         # immutable but for its memos, which are pure caches: copies (mpc's candidate
@@ -155,15 +157,18 @@ class TpotFit:
         return value
 
     def largest_total(self, prefill_tokens_per_s: float, prompt_tokens: float,
-                      output_tokens: float, max_total: int) -> int:
-        """The largest total in ``[1, max_total]`` whose predicted TPOT meets the limit, 0
-        when not even one sequence does (bisection: the time grows with the total)."""
+                      output_tokens: float, max_total: int, slowdown: float = 1.0) -> int:
+        """The largest total in ``[1, max_total]`` whose predicted TPOT, times ``slowdown``,
+        meets the limit, 0 when not even one sequence does (bisection: the time grows with
+        the total)."""
         key = (_two_digits(prefill_tokens_per_s), _two_digits(prompt_tokens),
-               _two_digits(output_tokens), max_total)
+               _two_digits(output_tokens), max_total, slowdown)
         if (hit := self._largest.get(key)) is not None:
             return hit
+        limit_s = self.tpot_s / slowdown
+
         def fits(n: int) -> bool:
-            return self.tpot_s_at(n, *key[:3]) <= self.tpot_s
+            return self.tpot_s_at(n, *key[:3]) <= limit_s
 
         if max_total < 1:
             low = 0
@@ -177,6 +182,83 @@ class TpotFit:
         if len(self._largest) < 1 << 16:
             self._largest[key] = low
         return low
+
+
+class FitCalibration:
+    """How much slower the engines' iterations ran than the fit predicts, smoothed: the
+    observed mean iteration time of each engine that ran one in a tick, over the fit's
+    prediction at that engine's running count from the smoothed traffic the rule reads.
+
+    The fit's error is not noise that a margin covers: it depends on the traffic. Bursty
+    prompts (code completion) are prefilled in a few long iterations that the smoothed prefill
+    rate spreads thin, and the fit underpredicts them 2.6-2.8x; long outputs that grow their
+    context while decoding are overpredicted. The ratio is smoothed in log space over
+    ``tau_s`` and quantised to steps of :attr:`STEP` (the fit's memo keys on it); ticks
+    without an iteration leave it as it was.
+
+    :param tau_s: time constant of the smoothing.
+    """
+
+    STEP = 0.02
+    """Quantum of the log ratio (2%)."""
+    RANGE = (0.25, 4.0)
+    """The ratio is clipped to this range: one odd tick cannot stop or free the total."""
+
+    def __init__(self, tau_s: float = TRAFFIC_TAU_S) -> None:
+        self.tau_s = tau_s
+        self.log_ratio = 0.0
+
+    def reset(self) -> None:
+        """Forget everything (start of a run)."""
+        self.log_ratio = 0.0
+
+    def update(self, fit: TpotFit, stats: DeploymentStats, traffic: TrafficMeans,
+               tick_s: float) -> None:
+        """Fold in one tick's engines."""
+        inputs = traffic.fit_inputs(len(stats.engines))
+        logs = []
+        for es in stats.engines:
+            running = sum(es.running)
+            if es.iterations < 1 or running < 1 or not es.busy_s > 0:
+                continue
+            predicted = fit.tpot_s_at(running, *inputs)
+            if predicted > 0:
+                logs.append(math.log(es.busy_s / es.iterations / predicted))
+        if not logs:
+            return
+        low, high = (math.log(x) for x in self.RANGE)
+        observed = min(max(sum(logs) / len(logs), low), high)
+        self.log_ratio += (1.0 - math.exp(-tick_s / self.tau_s)) * (observed - self.log_ratio)
+
+    @property
+    def slowdown(self) -> float:
+        """The smoothed ratio, quantised: what :meth:`TpotFit.largest_total` scales by."""
+        return quantised_slowdown(math.exp(self.log_ratio))
+
+
+def quantised_slowdown(x: float) -> float:
+    """``x`` rounded to a step of :attr:`FitCalibration.STEP` in log space (the fit's memo keys
+    on the slowdown it scales by)."""
+    step = FitCalibration.STEP
+    return round(math.exp(round(math.log(x) / step) * step), 6)
+
+
+def spread_slowdown(output_tokens: float, spread: float) -> float:
+    """How much lower the engine's mean iteration time must sit for a request's TPOT to meet
+    the limit: ``1 / (1 - spread / sqrt(output_tokens))``, at most 4.
+
+    A request's TPOT is the mean of its output's iteration times, so it spreads around the
+    engine's mean iteration time about as one over the root of its output length: a
+    60-token RAG answer misses a limit that the engine's mean meets where a 450-token report
+    meets it. ``spread`` is the iteration times' coefficient of variation times the quantile
+    of requests to cover.
+
+    :param output_tokens: the traffic's mean output tokens.
+    :param spread: 0 for no allowance.
+    """
+    if spread <= 0:
+        return 1.0
+    return 1.0 / max(1.0 - spread / math.sqrt(max(output_tokens, 1.0)), 0.25)
 
 
 def _two_digits(x: float) -> float:
