@@ -153,11 +153,22 @@ def test_the_calibration_reads_how_much_slower_the_iterations_run() -> None:
     assert calibration.slowdown == round(math.exp(69 * 0.02), 6)  # log 4 / 0.02 = 69.3
     calibration.reset()
     assert calibration.slowdown == 1.0 and calibration.log_ratio == 0.0
+    # two engines: the mean of their log ratios, or one pool's only (the fit models one)
+    tick = _running_tick(1.0, 24, 10, 1.0)
+    predicted = fit.tpot_s_at(24, *means.fit_inputs(2))
+    fp16 = replace(tick.engines[0], busy_s=10 * 2.0 * predicted)
+    fp8 = replace(tick.engines[0], engine_id=1, pool="fp8", busy_s=10 * 0.5 * predicted)
+    both = replace(tick, engines=(fp16, fp8))
+    for pool, log_ratio in ((None, 0.0), ("fp16", math.log(2.0)), ("fp8", math.log(0.5))):
+        one = FitCalibration(tau_s=30.0)
+        one.update(fit, both, means, 1.0, pool)
+        assert one.log_ratio == pytest.approx(log_ratio * (1 - math.exp(-1 / 30)), abs=1e-12)
 
 
 def test_the_calibrated_rule_holds_less_where_the_engine_runs_slower_than_the_fit() -> None:
     proposal = ControlAction((None,) * 3, ("fp16",) * 3, 256)
     totals: dict[bool, int | None] = {}
+    slowdowns: dict[bool, float] = {}
     for calibrated in (False, True):
         guard = Guard(GuardConfig(warmup=False, p99=False, tpot_fit=True,
                                   tpot_fit_calibrated=calibrated, tpot_fit_spread=0.0))
@@ -171,9 +182,18 @@ def test_the_calibrated_rule_holds_less_where_the_engine_runs_slower_than_the_fi
         slowdown = guard.state.tpot_fit_slowdown
         assert (slowdown > 1.5) if calibrated else (slowdown == 1.0)
         assert action.max_num_seqs == fit.largest_total(*means.fit_inputs(), 256, slowdown)
-        totals[calibrated] = action.max_num_seqs
+        totals[calibrated], slowdowns[calibrated] = action.max_num_seqs, slowdown
     assert totals[True] is not None and totals[False] is not None
     assert 0 < totals[True] < totals[False]
+    # with the spread too: the two slowdowns multiply (200-token outputs)
+    guard = Guard(GuardConfig(warmup=False, p99=False, tpot_fit=True, tpot_fit_spread=2.0))
+    guard.reset(_info(0.05))
+    for t in range(1, 120):
+        guard.check(proposal, _running_tick(float(t), 24, 10, 1.0))
+    assert guard.state.tpot_fit_slowdown == quantised_slowdown(
+        slowdowns[True] * spread_slowdown(200.0, 2.0))
+    guard.reset(_info(0.05))  # a new run forgets the engine's speed
+    assert guard._calibration.log_ratio == 0.0 and guard.state.tpot_fit_slowdown == 1.0
 
 
 def test_the_spread_allowance_shrinks_with_the_output_length() -> None:
@@ -241,6 +261,14 @@ def test_a_record_without_the_rule_warns_when_it_is_on() -> None:
     assert record_mismatch(trained, guard_from_record(trained)) == []
     assert record_mismatch(trained, GuardConfig(tpot_fit=True, tpot_fit_margin=0.85)) == [
         "tpot_fit_calibrated: False recorded, True in force",
+        "tpot_fit_spread: 0.0 recorded, 2.5 in force"]
+    # trained with the rule off: its recorded settings never acted and give way to today's
+    off = {**guard_record(GuardConfig()), "tpot_fit_margin": 0.85, "tpot_fit_spread": 0.0}
+    assert guard_from_record(off) == GuardConfig()
+    assert record_mismatch(off, GuardConfig()) == []
+    assert record_mismatch(off, GuardConfig(tpot_fit=True)) == [
+        "tpot_fit: False recorded, True in force",
+        "tpot_fit_margin: 0.85 recorded, 1.05 in force",
         "tpot_fit_spread: 0.0 recorded, 2.5 in force"]
 
 

@@ -139,8 +139,8 @@ def _add_recipe_options(g: argparse._ArgumentGroup, r: RecipeConfig) -> None:
     g.add_argument("--tpot-fit", action=argparse.BooleanOptionalAction, default=r.tpot_fit,
                    help="teacher and student act behind the guard's tpot_fit rule (the total "
                         "held where the TPOT predicted from the deployment's profile, "
-                        "calibrated on the engines' iterations, meets the SLA's), and the "
-                        "student is served behind it")
+                        "calibrated on the engines' iterations, meets the SLA's less an "
+                        "allowance for short outputs), and the student is served behind it")
     g.add_argument("--hold-release", action=argparse.BooleanOptionalAction,
                    default=r.hold_release,
                    help="train and serve the student behind the hold release "

@@ -123,9 +123,9 @@ class RecipeConfig:
         instead of leaning on the rule (its artifact records ``hold_release: false``).
     :param tpot_fit: the teacher and the student act behind the guard's ``tpot_fit`` rule
         (the total held where the predicted TPOT, calibrated on the engines' iterations,
-        meets the SLA's, :mod:`rlbatch.control.tpot_fit`), and the artifact records it, so
-        the student is served behind it: it learns what to propose where the rule holds the
-        TPOT edge.
+        meets the SLA's less an allowance for short outputs, :mod:`rlbatch.control.tpot_fit`),
+        and the artifact records it, so the student is served behind it: it learns what to
+        propose where the rule holds the TPOT edge.
     :param decision_ticks: ticks between two student decisions (held in between).
     :param obs_version: student observation version.
     :param net_arch: hidden layers of the student.

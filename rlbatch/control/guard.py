@@ -88,13 +88,18 @@ Rules, applied in this order to the proposed caps (each only ever lowers a cap):
     Needs the deployment's GPU and model profiles; the fit takes the first pool's precision.
     The prediction is scaled by how much slower than predicted the engines' iterations have
     run (``tpot_fit_calibrated``, :class:`~rlbatch.control.tpot_fit.FitCalibration`): the fit
-    misses by a factor that depends on the traffic (bursty code-completion prompts run 1.5x
-    slower than predicted), which a fixed margin cannot cover both ways. And the limit sits
-    lower for short outputs, whose TPOT spreads more around the engine's mean iteration time
-    (``tpot_fit_spread``, :func:`~rlbatch.control.tpot_fit.spread_slowdown`). The defaults
-    (margin 1.05, spread 2.5, calibrated) are the best geo-mean of a guarded constant's
-    goodput over the best static's on the training traffic at three SLAs (1 s / 50 ms, 2 s /
-    100 ms, 5 s / 150 ms; ``experiments/tune_gradient.py``, BENCHMARKS.md).
+    misses by a factor that depends on the traffic (on code completion the iterations run
+    1.35-1.75x the predicted time, p10-p90 over the ticks; on long contexts 1.04-1.11x), which
+    a fixed margin cannot cover both ways. And the limit sits lower for short outputs, whose
+    TPOT spreads more around the engine's mean iteration time (``tpot_fit_spread``,
+    :func:`~rlbatch.control.tpot_fit.spread_slowdown`). The defaults (margin 1.05, spread 2.5,
+    calibrated) are the best geo-mean of a guarded constant's goodput over the best static's
+    on the training traffic at three SLAs (1 s / 50 ms, 2 s / 100 ms, 5 s / 150 ms;
+    ``experiments/tune_gradient.py``, BENCHMARKS.md section 21). The scaled prediction holds
+    nothing either where it fits nothing, for the same reason: an engine that slow with one
+    sequence decoding is slowed by its prefills, which a smaller batch does not remove (on
+    code completion at 1 s / 50 ms, 9 ticks of 1,801 in one run, none in others); holding a
+    total of 1 there would throttle a live engine whose profile is far off to one sequence.
 
 ``max_seq_len`` truncation / rejection is enforced at admission (``GuardConfig.max_seq_len``
 and ``over_length`` feed the deployment's ``max_model_len``); truncated and rejected requests
@@ -565,7 +570,8 @@ class Guard:
         inputs = self._traffic.fit_inputs(len(stats.engines))
         slowdown = 1.0
         if cfg.tpot_fit_calibrated:
-            self._calibration.update(self._tpot_fit, stats, self._traffic, tick)
+            self._calibration.update(self._tpot_fit, stats, self._traffic, tick,
+                                     self._pools[0] if self._pools else None)
             slowdown = self._calibration.slowdown
         if cfg.tpot_fit_spread > 0:
             slowdown = quantised_slowdown(slowdown * spread_slowdown(inputs[2],

@@ -13,6 +13,10 @@ A record whose revision is under 9 has no ``kv_commit``: its KV budget counted t
 counts, so it is rebuilt with ``kv_commit="final"``, not today's default. A record spells the
 KV budget as three flat keys (``kv_budget``, ``kv_budget_fraction``, ``kv_commit``), as every
 shipped artifact does; :class:`~rlbatch.control.discipline.KvBudget` is what they become.
+A record with the ``tpot_fit`` rule on but without ``tpot_fit_calibrated`` or
+``tpot_fit_spread`` is rebuilt with them off (the rule had neither then), not with today's
+defaults; a record with the rule off is rebuilt with today's settings of the rule (they never
+acted), and they are not compared while the rule is off.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ serves a steady share of long prompts; 9: the KV budget holds the peak of the pr
 ``kv_commit``; 10: the P99 trim's "the batch is too slow" test reads the mean step weighted
 by iterations, not the mean of each tick's). CHANGELOG.md has the history."""
 
+
+TPOT_FIT_SETTINGS = ("tpot_fit_margin", "tpot_fit_calibrated", "tpot_fit_spread")
+"""The ``tpot_fit`` rule's settings: they matter only where the rule is on."""
 
 _BUDGET_KEYS = ("kv_budget", "kv_budget_fraction", "kv_commit")
 """How a record spells the KV budget (:class:`~rlbatch.control.discipline.KvBudget`): the
@@ -53,7 +60,9 @@ def guard_record(config: GuardConfig) -> dict[str, object]:
 def guard_from_record(record: Mapping[str, object]) -> GuardConfig:
     """The configuration :func:`guard_record` wrote (``revision`` aside: see
     :func:`record_mismatch`); a field missing from the record takes its default, except
-    ``kv_commit`` in a record whose revision is under 9 (``final``, the rule then).
+    ``kv_commit`` in a record whose revision is under 9 (``final``, the rule then) and the
+    ``tpot_fit`` rule's calibration and spread in a record with the rule on (off, as then);
+    with the rule off its recorded settings give way to today's.
 
     :param record: the recorded dict.
     :raises ValueError: a field this version does not know, or an invalid value.
@@ -83,6 +92,9 @@ def guard_from_record(record: Mapping[str, object]) -> GuardConfig:
         # without them is rebuilt as it was trained, whatever today's defaults
         values.setdefault("tpot_fit_calibrated", False)
         values.setdefault("tpot_fit_spread", 0.0)
+    else:  # settings of a rule that never acted: turned on later, it takes today's
+        for key in TPOT_FIT_SETTINGS:
+            values.pop(key, None)
     return GuardConfig(**values)  # type: ignore[arg-type]
 
 
@@ -102,7 +114,10 @@ def record_mismatch(record: Mapping[str, object], config: GuardConfig) -> list[s
         recorded: Mapping[str, object] = {**guard_record(guard_from_record(record)), **record}
     except (TypeError, ValueError):
         recorded = record
+    rule_off = not config.tpot_fit and recorded.get("tpot_fit") is not True
     for key, value in guard_record(config).items():
-        if key != "revision" and key in recorded and recorded[key] != value:
+        if key == "revision" or (rule_off and key in TPOT_FIT_SETTINGS):
+            continue
+        if key in recorded and recorded[key] != value:
             out.append(f"{key}: {recorded[key]!r} recorded, {value!r} in force")
     return out

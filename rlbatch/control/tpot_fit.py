@@ -80,7 +80,7 @@ class TpotFit:
 
     :param step_model: one engine's step-time model.
     :param max_num_batched_tokens: the engine's token budget per iteration.
-    :param tpot_s: the TPOT limit the fit counts against (the SLA's, or a margin under it).
+    :param tpot_s: the TPOT limit the fit counts against (the SLA's times a margin).
     """
 
     ITERATIONS = 6
@@ -191,10 +191,11 @@ class FitCalibration:
 
     The fit's error is not noise that a margin covers: it depends on the traffic. Bursty
     prompts (code completion) are prefilled in a few long iterations that the smoothed prefill
-    rate spreads thin, and the fit underpredicts them 2.6-2.8x; long outputs that grow their
-    context while decoding are overpredicted. The ratio is smoothed in log space over
-    ``tau_s`` and quantised to steps of :attr:`STEP` (the fit's memo keys on it); ticks
-    without an iteration leave it as it was.
+    rate spreads thin: the iterations run 1.35-1.75x the predicted time there (p10-p90 over
+    the ticks), 1.04-1.11x on long contexts (BENCHMARKS.md section 21). The ratio is smoothed
+    in log space over ``tau_s`` and quantised to steps of :attr:`STEP` (the fit's memo keys on
+    it); ticks without an iteration leave it as it was. On the sidecar an engine's iteration
+    time is the interval's mean inter-token latency (:mod:`rlbatch.sidecar.upstream`).
 
     :param tau_s: time constant of the smoothing.
     """
@@ -213,17 +214,19 @@ class FitCalibration:
         self.log_ratio = 0.0
 
     def update(self, fit: TpotFit, stats: DeploymentStats, traffic: TrafficMeans,
-               tick_s: float) -> None:
-        """Fold in one tick's engines."""
+               tick_s: float, pool: str | None = None) -> None:
+        """Fold in one tick's engines (those of ``pool`` only, when given: the fit models
+        one pool's precision, and an FP8 engine's iterations are not an FP16 one's)."""
         inputs = traffic.fit_inputs(len(stats.engines))
         logs = []
         for es in stats.engines:
             running = sum(es.running)
-            if es.iterations < 1 or running < 1 or not es.busy_s > 0:
+            if (pool is not None and es.pool != pool) or es.iterations < 1 or running < 1:
                 continue
             predicted = fit.tpot_s_at(running, *inputs)
-            if predicted > 0:
-                logs.append(math.log(es.busy_s / es.iterations / predicted))
+            ratio = es.busy_s / es.iterations / predicted if predicted > 0 else math.nan
+            if ratio > 0 and math.isfinite(ratio):
+                logs.append(math.log(ratio))
         if not logs:
             return
         low, high = (math.log(x) for x in self.RANGE)

@@ -288,9 +288,9 @@ class HttpUpstream:
                 self.itl_mean_s = itl_s / itl_n
                 # vLLM exports no step time. The interval's mean inter-token latency is the
                 # mean step a decoding request waited, so iterations x that mean is the busy
-                # time whose ratio to iterations the guard's P99 rule reads (0 without a
-                # decoded token: that rule then leaves this upstream's iterations out rather
-                # than read them as fast steps).
+                # time whose ratio to iterations the guard's P99 rule and the tpot_fit
+                # rule's calibration read (0 without a decoded token: they then leave this
+                # upstream's iterations out rather than read them as fast steps).
                 busy = iterations * self.itl_mean_s
             kv = m.kv_cache_usage
             capacity = m.kv_capacity_tokens or 0
