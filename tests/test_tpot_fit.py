@@ -139,17 +139,18 @@ def test_the_calibration_reads_how_much_slower_the_iterations_run() -> None:
     for t in range(1, 200):
         means.update(_long_context_tick(float(t)), 1.0)
         predicted = fit.tpot_s_at(24, *means.fit_inputs())
-        calibration.update(fit, _running_tick(float(t), 24, 10, 10 * 1.5 * predicted), means,
-                           1.0)
+        calibration.update(fit, _running_tick(float(t), 24, 10, 10 * 1.5 * predicted),
+                           means.fit_inputs(), 1.0)
     # log 1.5 smoothed over 199 ticks (0.9987 of it), in 2% steps: exp(20 x 0.02)
     assert calibration.log_ratio == pytest.approx(math.log(1.5) * (1 - math.exp(-199 / 30)))
     assert calibration.slowdown == round(math.exp(0.4), 6)
     before = calibration.log_ratio  # a tick without an iteration or a sequence leaves it
-    calibration.update(fit, _running_tick(200.0, 24, 0, 0.0), means, 1.0)
-    calibration.update(fit, _running_tick(200.0, 0, 10, 1.0), means, 1.0)
+    calibration.update(fit, _running_tick(200.0, 24, 0, 0.0), means.fit_inputs(), 1.0)
+    calibration.update(fit, _running_tick(200.0, 0, 10, 1.0), means.fit_inputs(), 1.0)
     assert calibration.log_ratio == before
     for t in range(400):  # one engine 100x slower: clipped to the range's end
-        calibration.update(fit, _running_tick(float(t), 24, 1, 100.0), means, 1.0)
+        calibration.update(fit, _running_tick(float(t), 24, 1, 100.0), means.fit_inputs(),
+                           1.0)
     assert calibration.slowdown == round(math.exp(69 * 0.02), 6)  # log 4 / 0.02 = 69.3
     calibration.reset()
     assert calibration.slowdown == 1.0 and calibration.log_ratio == 0.0
@@ -161,7 +162,7 @@ def test_the_calibration_reads_how_much_slower_the_iterations_run() -> None:
     both = replace(tick, engines=(fp16, fp8))
     for pool, log_ratio in ((None, 0.0), ("fp16", math.log(2.0)), ("fp8", math.log(0.5))):
         one = FitCalibration(tau_s=30.0)
-        one.update(fit, both, means, 1.0, pool)
+        one.update(fit, both, means.fit_inputs(2), 1.0, pool)
         assert one.log_ratio == pytest.approx(log_ratio * (1 - math.exp(-1 / 30)), abs=1e-12)
 
 

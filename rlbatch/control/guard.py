@@ -570,7 +570,7 @@ class Guard:
         inputs = self._traffic.fit_inputs(len(stats.engines))
         slowdown = 1.0
         if cfg.tpot_fit_calibrated:
-            self._calibration.update(self._tpot_fit, stats, self._traffic, tick,
+            self._calibration.update(self._tpot_fit, stats, inputs, tick,
                                      self._pools[0] if self._pools else None)
             slowdown = self._calibration.slowdown
         if cfg.tpot_fit_spread > 0:

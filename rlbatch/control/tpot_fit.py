@@ -213,11 +213,15 @@ class FitCalibration:
         """Forget everything (start of a run)."""
         self.log_ratio = 0.0
 
-    def update(self, fit: TpotFit, stats: DeploymentStats, traffic: TrafficMeans,
-               tick_s: float, pool: str | None = None) -> None:
+    def update(self, fit: TpotFit, stats: DeploymentStats,
+               inputs: tuple[float, float, float], tick_s: float,
+               pool: str | None = None) -> None:
         """Fold in one tick's engines (those of ``pool`` only, when given: the fit models
-        one pool's precision, and an FP8 engine's iterations are not an FP16 one's)."""
-        inputs = traffic.fit_inputs(len(stats.engines))
+        one pool's precision, and an FP8 engine's iterations are not an FP16 one's).
+
+        :param inputs: what the fit reads, as the rule reads it this tick
+            (:meth:`TrafficMeans.fit_inputs`).
+        """
         logs = []
         for es in stats.engines:
             running = sum(es.running)
