@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from rlbatch.control.observation import (
 )
 from rlbatch.control.pipeline import DecisionPipeline
 from rlbatch.control.reward import RewardConfig, compute_reward
+from rlbatch.control.stats_metrics import guard_readings
 from rlbatch.control.types import SLA, ControlAction, DeploymentInfo, DeploymentStats
 from rlbatch.engine.config import parse_pools
 from rlbatch.paths import default_training_traces
@@ -125,7 +127,9 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
     doomed requests (or a queue head past its deadline) counts 0. ``info["reward_parts"]``
     holds every component; ``info["stats"]`` is the tick's typed
     :class:`~rlbatch.control.types.DeploymentStats` (what training's TensorBoard reads through
-    :mod:`rlbatch.control.stats_metrics`).
+    :mod:`rlbatch.control.stats_metrics`), ``info["guard_readings"]`` the guard's ``tpot_fit``
+    ceiling and slowdown after the step where the rule sets them
+    (:func:`~rlbatch.control.stats_metrics.guard_readings`; empty with the rule off).
 
     ## Starting state
     An idle deployment at time 0; the workload of the episode is drawn from the scenario
@@ -309,6 +313,9 @@ class BatchSizeEnv(gym.Env[np.ndarray, np.ndarray]):
             "time_s": stats.time_s,
             "reward_parts": parts,
             "overrides": fired,
+            # only the known readings: NaN would make equal steps' infos unequal
+            "guard_readings": {k: v for k, v in guard_readings(self.guard).items()
+                               if not math.isnan(v)},
             "caps": safe.caps,
             "pools": safe.pools,
             "stats": stats,

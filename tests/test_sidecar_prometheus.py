@@ -64,10 +64,10 @@ def promtool_check_metrics(text: str) -> str:
     return report
 
 
-def sidecar_page(state: ControlState, *ticks: object) -> str:
+def sidecar_page(state: ControlState, *ticks: object, ctx: MetricContext | None = None) -> str:
     """A sidecar's ``/metrics`` after ``ticks`` (DeploymentStats) were recorded."""
     metrics = SidecarMetrics(BUCKETS, POOLS, ("fp16#0", "fp8#0"), lambda: state)
-    ctx = MetricContext(BUCKETS, POOLS)
+    ctx = ctx or MetricContext(BUCKETS, POOLS)
     for stats in ticks:
         metrics.snapshot.record(stats, ctx)  # type: ignore[arg-type]
     return generate_latest(metrics.registry).decode()
@@ -131,6 +131,16 @@ def test_fractions_end_in_ratio_and_tokens_are_counters() -> None:
     assert got["rlbatch_finished_total"] == {(): 4.0}
     assert got["rlbatch_gpu_memory_used_ratio"] == {(): 0.5}
     assert got["rlbatch_kv_committed_ratio"] == {(): 0.25}
+
+
+def test_tpot_fit_gauges_show_the_rules_readings_and_are_absent_with_it_off() -> None:
+    in_force = state(ControlAction((8, None, 4), ("fp16", "any", "fp8")))
+    on = MetricContext(BUCKETS, POOLS, tpot_fit_ceiling=48.0, tpot_fit_slowdown=1.25)
+    got = samples(sidecar_page(in_force, FULL_TICK, ctx=on))
+    assert got["rlbatch_tpot_fit_ceiling"] == {(): 48.0}
+    assert got["rlbatch_tpot_fit_slowdown"] == {(): 1.25}
+    off = samples(sidecar_page(in_force, FULL_TICK))
+    assert "rlbatch_tpot_fit_ceiling" not in off and "rlbatch_tpot_fit_slowdown" not in off
 
 
 def test_every_table_fraction_is_named_ratio() -> None:
@@ -198,8 +208,10 @@ def test_docs_rename_table_names_every_metric_once() -> None:
     assert set(news) == exposed_names(page)
     olds = {old for old, _ in rows if old}
     assert all(old.startswith("rlbatch:") for old in olds), olds
-    for m in METRICS:  # every name the snapshot table gave before (pool_index never left)
-        if m.name != "pool_index":
+    # every name the snapshot table gave before (pool_index never left; the tpot_fit gauges
+    # came after the rename)
+    for m in METRICS:
+        if m.name not in ("pool_index", "tpot_fit_ceiling", "tpot_fit_slowdown"):
             assert f"rlbatch:{m.name}{'_total' if m.kind == 'counter' else ''}" in olds, m.name
 
 

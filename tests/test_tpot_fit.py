@@ -7,11 +7,13 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
+import gymnasium as gym
 import pytest
 
 from rlbatch.control.controllers import make_controller
 from rlbatch.control.guard import Guard, GuardConfig
 from rlbatch.control.guard_record import guard_from_record, guard_record, record_mismatch
+from rlbatch.control.stats_metrics import MetricContext, guard_readings, tensorboard_scalars
 from rlbatch.control.tpot_fit import (
     FitCalibration,
     TpotFit,
@@ -339,3 +341,42 @@ def test_a_recipe_with_the_rule_puts_teacher_student_and_env_behind_it(tmp_path:
     served = make_controller(f"ppo:{student}")
     assert isinstance(served, PpoController) and served.guard.config.tpot_fit
     assert served.guard_warnings == []
+
+
+def test_the_guard_readings_report_the_rules_ceiling_and_slowdown() -> None:
+    # What the sidecar's gauges and TensorBoard show: NaN without the rule, the rule's state
+    # with it.
+    assert all(math.isnan(v) for v in guard_readings(None).values())
+    off = Guard(GuardConfig(warmup=False))
+    off.reset(_info(0.05))
+    off.check(ControlAction((None,) * 3, ("fp16",) * 3, 256), _long_context_tick(1.0))
+    assert all(math.isnan(v) for v in guard_readings(off).values())
+    guard = Guard(GuardConfig(warmup=False, p99=False, tpot_fit=True))
+    guard.reset(_info(0.05))
+    for t in range(1, 60):
+        guard.check(ControlAction((None,) * 3, ("fp16",) * 3, 256), _long_context_tick(float(t)))
+    readings = guard_readings(guard)
+    assert guard.state.tpot_fit_total is not None and 8 < guard.state.tpot_fit_total < 256
+    assert readings == {"tpot_fit_ceiling": float(guard.state.tpot_fit_total),
+                        "tpot_fit_slowdown": guard.state.tpot_fit_slowdown}
+    # 200-token answers: the spread alone is 1 / (1 - 2.5 / sqrt(200)) ~ 1.21
+    assert readings["tpot_fit_slowdown"] != 1.0
+    ctx = MetricContext(BUCKETS.names, ("fp16",), **readings)
+    scalars = tensorboard_scalars(_long_context_tick(60.0), ctx)
+    assert scalars["guard/tpot_fit_ceiling"] == readings["tpot_fit_ceiling"]
+    assert scalars["guard/tpot_fit_slowdown"] == readings["tpot_fit_slowdown"]
+
+
+def test_the_env_reports_the_rules_readings_in_its_step_info() -> None:
+    import envs
+
+    env = gym.make(envs.ENV_ID, scenario="mixed", episode_s=60.0,
+                   guard=GuardConfig(warmup=False, tpot_fit=True))
+    env.reset(seed=0)
+    infos = [env.step(env.action_space.sample())[4] for _ in range(20)]
+    assert all(math.isfinite(i["guard_readings"]["tpot_fit_slowdown"]) for i in infos)
+    assert any(math.isfinite(i["guard_readings"].get("tpot_fit_ceiling", math.nan))
+               for i in infos)
+    env = gym.make(envs.ENV_ID, scenario="mixed", episode_s=60.0)  # the rule off: none
+    env.reset(seed=0)
+    assert env.step(env.action_space.sample())[4]["guard_readings"] == {}

@@ -219,7 +219,8 @@ class TickMeans:
         # The whole table costs ~40 us a tick (~3% of a PPO step); a mean over every
         # TB_SAMPLE_EVERY-th tick of the 2,000 logged is as good a curve.
         if self.count % TB_SAMPLE_EVERY == 0:
-            ctx = MetricContext(self.bucket_names, self.pool_names, Counter(info["overrides"]))
+            ctx = MetricContext(self.bucket_names, self.pool_names, Counter(info["overrides"]),
+                                **info.get("guard_readings", {}))
             for tag, value in tensorboard_scalars(stats, ctx).items():
                 if math.isfinite(value) and not tag.startswith(CAP_TAG):
                     self.sums[tag] += value

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rlbatch.control.guard import RULES
+from rlbatch.control.guard import RULES, Guard
 from rlbatch.control.types import DeploymentStats, route_choices
 
 MetricKind = Literal["gauge", "counter"]
@@ -34,11 +34,31 @@ class MetricContext:
     :param bucket_names: bucket labels, in bucket order.
     :param pool_names: pool labels, in the deployment's order.
     :param overrides: guard overrides in the tick, by rule (missing rules: 0).
+    :param tpot_fit_ceiling: the guard's ``tpot_fit`` ceiling on the total after the tick's
+        decision (NaN: no guard, the rule off, or no ceiling).
+    :param tpot_fit_slowdown: the slowdown that rule applied to its TPOT prediction
+        (calibration x spread; NaN: no guard or the rule off).
     """
 
     bucket_names: tuple[str, ...]
     pool_names: tuple[str, ...]
     overrides: Mapping[str, int] = field(default_factory=dict)
+    tpot_fit_ceiling: float = math.nan
+    tpot_fit_slowdown: float = math.nan
+
+
+def guard_readings(guard: Guard | None) -> dict[str, float]:
+    """The guard's levels the table reads besides the stats, as :class:`MetricContext`
+    keywords: the ``tpot_fit`` rule's ceiling on the total and the slowdown it applied (NaN
+    where there is no guard, the rule is off or sets no ceiling).
+
+    :param guard: the guard of the controller in charge (``None``: unguarded).
+    """
+    if guard is None or not guard.config.tpot_fit:
+        return {"tpot_fit_ceiling": math.nan, "tpot_fit_slowdown": math.nan}
+    ceiling = guard.state.tpot_fit_total
+    return {"tpot_fit_ceiling": math.nan if ceiling is None else float(ceiling),
+            "tpot_fit_slowdown": float(guard.state.tpot_fit_slowdown)}
 
 
 Reader = Callable[[DeploymentStats, MetricContext], tuple[float, ...]]
@@ -194,6 +214,12 @@ METRICS: tuple[StatMetric, ...] = (
     StatMetric("guard_overrides", "guard", "Guard rule overrides of the policy's proposal",
                "counter", "rule", lambda s, c: tuple(float(c.overrides.get(r, 0))
                                                      for r in RULES)),
+    StatMetric("tpot_fit_ceiling", "guard", "Largest total whose calibrated TPOT prediction "
+               "meets the SLA: the tpot_fit rule's ceiling (absent: rule off or no ceiling)",
+               "gauge", "none", lambda s, c: (c.tpot_fit_ceiling,)),
+    StatMetric("tpot_fit_slowdown", "guard", "Observed over predicted iteration time times the "
+               "spread allowance, as the tpot_fit rule applied it (absent: rule off)",
+               "gauge", "none", lambda s, c: (c.tpot_fit_slowdown,)),
 )
 """Every metric read off the snapshot, in display order."""
 

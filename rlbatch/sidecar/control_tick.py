@@ -23,7 +23,7 @@ from rlbatch.control.controllers import Controller
 from rlbatch.control.discipline import PLAIN, AdmissionDiscipline
 from rlbatch.control.guard import GuardConfig
 from rlbatch.control.pipeline import DecisionPipeline
-from rlbatch.control.stats_metrics import MetricContext
+from rlbatch.control.stats_metrics import MetricContext, guard_readings
 from rlbatch.control.types import ControlAction, DeploymentInfo, DeploymentStats
 from rlbatch.serving.loop import ControlLoop
 from rlbatch.sidecar.prom import SidecarMetrics
@@ -203,7 +203,9 @@ class SidecarControl:
         elif action != self.in_force:
             _LOG.info("tick %d: %s", self.ticks, self.describe(action))
         self.loop.apply(action, enforce=not self.settings.shadow)
-        ctx = MetricContext(self.bucket_names, self.source.info.pool_names, overrides)
+        pipeline = self.controller.pipeline
+        ctx = MetricContext(self.bucket_names, self.source.info.pool_names, overrides,
+                            **guard_readings(None if pipeline is None else pipeline.guard))
         self.metrics.snapshot.record(stats, ctx)
         if self.writer is not None:
             self.writer.write(self.ticks, tick_scalars(

@@ -55,6 +55,10 @@ name                                              type       labels
 ``rlbatch_kv_overflows_total``                    counter
 ``rlbatch_kv_budget_blocked``                     gauge      (0/1)
 ``rlbatch_guard_overrides_total``                 counter    rule
+``rlbatch_tpot_fit_ceiling``                      gauge      (the guard's TPOT ceiling on the
+                                                             total; absent: rule off or none)
+``rlbatch_tpot_fit_slowdown``                     gauge      (observed / predicted iteration
+                                                             time x spread; absent: rule off)
 ``rlbatch_bucket_routed``                         gauge      bucket, pool (1: the bucket's
                                                              requests may go there)
 ``rlbatch_batch_cap``                             gauge      bucket, pool (cap in force;
