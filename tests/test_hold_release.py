@@ -152,32 +152,39 @@ def test_a_wait_that_is_not_positive_raises(wait_s: float) -> None:
         release(TRIMMED, None, wait_s)
 
 
-def test_ppo_settings_set_the_release() -> None:
-    default = make_controller("ppo:policies/default")
+@pytest.fixture(scope="module")
+def held(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A student trained with the hold release (the shipped ones were trained without)."""
+    return str(copy_artifact(Path("policies/default"), tmp_path_factory.mktemp("held"),
+                             {"hold_release": True}))
+
+
+def test_ppo_settings_set_the_release(held: str) -> None:
+    default = make_controller(f"ppo:{held}")
     assert isinstance(default, PpoController)
     assert default.pipeline.release == HoldRelease(HOLD_RELEASE_FRACTION, RELEASE_TPOT_TOLERANCE)
-    assert _release("ppo:policies/default[release.wait_fraction=0.25]") == (
+    assert _release(f"ppo:{held}[release.wait_fraction=0.25]") == (
         0.25, RELEASE_TPOT_TOLERANCE)
-    off = make_controller("ppo:policies/default[release=none]")
+    off = make_controller(f"ppo:{held}[release=none]")
     assert off.pipeline is not None and off.pipeline.release is None
-    assert off.name == "ppo:policies/default[release=none]"
+    assert off.name == f"ppo:{held}[release=none]"
     for bad in ("0", "-1", "soon", "inf"):  # inf would never release: say none
         with pytest.raises(ValueError, match="wait_fraction"):
-            make_controller(f"ppo:policies/default[release.wait_fraction={bad}]")
-    assert _release("ppo:policies/default[release.wait_fraction=0.25,"
+            make_controller(f"ppo:{held}[release.wait_fraction={bad}]")
+    assert _release(f"ppo:{held}[release.wait_fraction=0.25,"
                     "release.tpot_tolerance=inf]") == (0.25, math.inf)
-    assert _release("ppo:policies/default[release.tpot_tolerance=1.5,"
+    assert _release(f"ppo:{held}[release.tpot_tolerance=1.5,"
                     "release.wait_fraction=0.75]") == (0.75, 1.5)
     for bad in ("0.9", "fast", "nan"):
         with pytest.raises(ValueError, match="tpot_tolerance"):
-            make_controller(f"ppo:policies/default[release.tpot_tolerance={bad}]")
+            make_controller(f"ppo:{held}[release.tpot_tolerance={bad}]")
     with pytest.raises(ValueError, match=r"unknown setting 'release\.tpot_tolerence'"):
-        make_controller("ppo:policies/default[release.tpot_tolerence=2]")
+        make_controller(f"ppo:{held}[release.tpot_tolerence=2]")
     with pytest.raises(ValueError, match="given twice"):
-        make_controller("ppo:policies/default[release.wait_fraction=0.5,"
+        make_controller(f"ppo:{held}[release.wait_fraction=0.5,"
                         "release.wait_fraction=0.25]")
     with pytest.raises(ValueError, match="set as a value and as a table"):
-        make_controller("ppo:policies/default[release=none,release.tpot_tolerance=2]")
+        make_controller(f"ppo:{held}[release=none,release.tpot_tolerance=2]")
     with pytest.raises(ValueError, match="tpot_tolerance must be >= 1"):
         PpoController(default.artifact, release=HoldRelease(tpot_tolerance=0.5))
     with pytest.raises(ValueError, match="wait_fraction must be > 0"):
@@ -256,14 +263,17 @@ def test_env_releases_what_the_action_holds_exactly_when_a_queue_head_has_waited
     assert released["slow"] > 0
 
 
-def test_a_student_trained_without_the_release_is_served_without_it(tmp_path: Path) -> None:
+def test_a_student_trained_without_the_release_is_served_without_it(tmp_path: Path,
+                                                                    held: str) -> None:
     trained_without = copy_artifact(Path("policies/default"), tmp_path / "student",
                                     {"hold_release": False})
     served = make_controller(f"ppo:{trained_without}")
     assert isinstance(served, PpoController) and served.pipeline.release is None
     assert artifact_release(served.artifact) is None
     assert PpoController(served.artifact).pipeline.release is None
-    # the shipped policy records nothing: behind the default release, as it was trained
-    assert artifact_release(load_artifact(Path("policies/default"))) == HoldRelease()
+    # one that records the release is served with the default one, as it was trained; the
+    # shipped policies were trained without it
+    assert artifact_release(load_artifact(Path(held))) == HoldRelease()
+    assert artifact_release(load_artifact(Path("policies/default"))) is None
     asked = make_controller(f"ppo:{trained_without}[release.wait_fraction=0.25]").pipeline
     assert asked is not None and asked.release == HoldRelease(0.25)

@@ -36,8 +36,9 @@ def small_trace(tmp_path_factory: pytest.TempPathFactory, azure_trace: Path) -> 
 
 
 def _cfg(trace: Path, out: Path) -> RecipeConfig:
+    # a short fine-tuning: the runs must agree whatever its length
     return RecipeConfig(traces=(str(trace),), episodes=2, episode_s=30.0, dagger_rounds=0,
-                        epochs=2, selection_rates=(0.8,), out=str(out))
+                        epochs=2, finetune_steps=256, selection_rates=(0.8,), out=str(out))
 
 
 def test_teacher_episodes_on_ray_equal_serial(cluster: None, small_trace: Path,
@@ -120,7 +121,7 @@ def test_tune_two_trials(cluster: None, small_trace: Path, tmp_path: Path) -> No
     out = tmp_path / "out"
     assert train.main(["--tune", "2", "--trace", str(small_trace), "--episodes", "1",
                        "--recipe-episode-s", "30", "--dagger-rounds", "0", "--epochs", "2",
-                       "--out", str(out), "--ray"]) == 0
+                       "--finetune-steps", "256", "--out", str(out), "--ray"]) == 0
     best = json.loads((out / "tune.json").read_text())
     assert set(best["best"]) == {"learning_rate", "epochs", "net_arch", "decision_ticks",
                                  "dagger_rounds", "knee_share"}

@@ -278,9 +278,19 @@ def test_start_accepts_what_the_controller_factory_accepts(
         monkeypatch.chdir(tmp_path)
     served: list[object] = []
     monkeypatch.setattr(serve_command, "run_loop", lambda main, loop: served.append(main))
+    # the shipped policies read the TPOT fit of the deployment's GPU and model profiles
     status = serve_command.main(["--upstream", "fp16=http://127.0.0.1:9", *choice,
-                                 "--capacity-rps", "10"])
+                                 "--gpu", "a100-80g", "--model", "llama-2-7b"])
     assert status == 0 and len(served) == 1
+
+
+def test_a_policy_that_reads_the_tpot_fit_refuses_to_start_without_profiles(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(serve_command, "run_loop", lambda main, loop: None)
+    status = serve_command.main(["--upstream", "fp16=http://127.0.0.1:9", "--policy",
+                                 "default", "--capacity-rps", "10"])
+    assert status == 2
+    assert "give profile names or files for --gpu and --model" in capsys.readouterr().err
 
 
 def test_corrupt_or_missing_policy_refuses_to_start(tmp_path: Path) -> None:

@@ -317,9 +317,9 @@ def test_a_recipe_with_the_rule_puts_teacher_student_and_env_behind_it(tmp_path:
     from policies.training.finetune import recipe_env_kwargs
     from policies.training.recipe import RecipeConfig, make_labeller
 
-    cfg = _recipe_config(parse_args(["--tpot-fit", "--train-deployments", "none"]), ())
+    cfg = _recipe_config(parse_args(["--train-deployments", "none"]), ())  # on by default
     assert cfg.tpot_fit and not _recipe_config(
-        parse_args(["--train-deployments", "none"]), ()).tpot_fit
+        parse_args(["--no-tpot-fit", "--train-deployments", "none"]), ()).tpot_fit
     codec = cfg.student_codec()
     assert cfg.teacher_spec() == "mpc[guard.tpot_fit=true]"
     assert replace(cfg, teacher="mpc[trims=false]").teacher_spec() == (
@@ -332,7 +332,7 @@ def test_a_recipe_with_the_rule_puts_teacher_student_and_env_behind_it(tmp_path:
     assert teacher.pipeline is not None and teacher.pipeline.config.tpot_fit
     guard = cfg.student_guard(codec)
     assert guard.tpot_fit and guard.ladder == tuple(codec.totals)
-    assert not RecipeConfig(traces=()).student_guard(codec).tpot_fit
+    assert not RecipeConfig(traces=(), tpot_fit=False).student_guard(codec).tpot_fit
     env = recipe_env_kwargs("a100-80g", "llama-2-7b", "fp16", 60.0, 7, 5, guard=guard)
     assert env["guard"] == guard
     # the artifact records the guard, and ppo:PATH serves behind the recorded one

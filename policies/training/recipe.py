@@ -120,12 +120,15 @@ class RecipeConfig:
     :param hold_release: the student drives (DAgger, fine-tuning, selection) and is served
         behind the hold release (:mod:`rlbatch.control.hold_release`); off: without it, so
         that it learns from the teacher's labels not to hold requests past their TTFT
-        instead of leaning on the rule (its artifact records ``hold_release: false``).
+        instead of leaning on the rule (its artifact records ``hold_release: false``; the
+        default, as the shipped policies were trained).
     :param tpot_fit: the teacher and the student act behind the guard's ``tpot_fit`` rule
         (the total held where the predicted TPOT, calibrated on the engines' iterations,
         meets the SLA's less an allowance for short outputs, :mod:`rlbatch.control.tpot_fit`),
         and the artifact records it, so the student is served behind it: it learns what to
-        propose where the rule holds the TPOT edge.
+        propose where the rule holds the TPOT edge (the default: the rule reads the traffic,
+        the TPOT edge, that a student on its own did not learn; off, the students kept the
+        total high on code completion, where 8-16 is right).
     :param decision_ticks: ticks between two student decisions (held in between).
     :param obs_version: student observation version.
     :param net_arch: hidden layers of the student.
@@ -191,10 +194,10 @@ class RecipeConfig:
     dagger_rounds: int = 2
     dagger_episodes: int = 12
     dagger_focus: bool = True
-    hold_release: bool = True
-    tpot_fit: bool = False
+    hold_release: bool = False
+    tpot_fit: bool = True
     decision_ticks: int = 5
-    obs_version: int = 5
+    obs_version: int = 7
     net_arch: tuple[int, ...] = (64, 64)
     epochs: int = 60
     learning_rate: float = 3e-3

@@ -74,7 +74,7 @@ Rules, applied in this order to the proposed caps (each only ever lowers a cap):
     engine to 74-84 requests in held-back Azure's opening surge where vLLM alone runs
     121-141 (BENCHMARKS.md).
 
-``tpot_fit`` (off unless set)
+``tpot_fit`` (off unless set; the shipped policies and ``train.py``'s recipe set it)
     the SLA's TPOT before it is missed: the step-time model of the deployment's GPU and model
     profiles (:class:`~rlbatch.control.tpot_fit.TpotFit`) predicts one engine's iteration
     time with N sequences decoding at the traffic's smoothed mean context while the prefill
