@@ -249,7 +249,8 @@ def stack(tmp_path: Path, upstream: str, model: str) -> Iterator[Stack]:
     with contextlib.ExitStack() as es:
         procs = [es.enter_context(child(
             [sys.executable, str(REPO / "serve.py"), "--upstream", f"fp16={upstream}",
-             "--port", str(port), "--controller", "playbook", "--no-cold-start",
+             "--port", str(port), "--controller", "playbook[guard.tpot_fit=true]",
+             "--gpu", "a100-80g", "--model", "llama-2-7b", "--no-cold-start",
              "--no-gpu-telemetry", "--tick-s", "0.5", "--max-num-seqs", "16",
              "--buckets", "128,256,512", "--tokenizer", "approx"],
             tmp_path / f"sidecar-{port}.log")) for port in ports]

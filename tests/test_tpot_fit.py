@@ -124,6 +124,38 @@ def test_the_rule_holds_the_total_at_the_largest_that_fits() -> None:
     assert smaller.max_num_seqs == 4 and not [o for o in overrides if o.rule == "tpot_fit"]
 
 
+def test_halvings_scale_the_limit_as_it_stood_before_the_ceiling() -> None:
+    """kv_high halves what was in force before the ``tpot_fit`` ceiling, so the two do not
+    compound; an action in force that the guard did not give out is scaled as it is."""
+    guard = Guard(GuardConfig(warmup=False, p99=False, efficiency=False, tpot_fit=True,
+                              tpot_fit_calibrated=False, tpot_fit_spread=0.0))
+    guard.reset(_info(0.05))
+    proposal = ControlAction((None,) * 3, ("fp16",) * 3, 256)
+
+    def tick(t: float, kv: float, in_force: ControlAction) -> DeploymentStats:
+        base = _long_context_tick(t)
+        return replace(base, engines=(replace(base.engines[0], kv_cache_usage=kv),),
+                       action=in_force)
+
+    in_force = proposal
+    for t in range(1, 120):
+        in_force, _ = guard.check(proposal, tick(float(t), 0.5, in_force))
+    largest = guard.state.tpot_fit_total
+    assert largest is not None and 8 < largest < 128 and in_force.max_num_seqs == largest
+    assert guard.state.ceiling_lowered == ((largest,) * 3, largest, (256,) * 3, 256)
+    for t in range(120, 132):  # KV over the threshold for the rule's 10 s: one halving
+        in_force, overrides = guard.check(proposal, tick(float(t), 0.9, in_force))
+    assert guard.state.kv_high_total == 128  # 256 halved, not the ceiling's total
+    assert in_force.max_num_seqs == largest  # the ceiling, lower, binds
+    assert [o.after for o in overrides if o.rule == "kv_high" and o.bucket is None] == [128]
+    # another action in force (not what the guard gave out) is halved as it stands
+    guard.reset(_info(0.05))
+    other = replace(proposal, caps=(40,) * 3, max_num_seqs=40)
+    for t in range(1, 12):
+        action, _ = guard.check(proposal, tick(float(t), 0.9, other))
+    assert guard.state.kv_high_total == 20 and action.max_num_seqs == 20
+
+
 def _running_tick(t: float, running: int, iterations: int, busy_s: float) -> DeploymentStats:
     """A long-context tick whose engine ran ``running`` sequences in ``iterations`` iterations
     of ``busy_s`` seconds in all."""

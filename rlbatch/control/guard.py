@@ -100,6 +100,11 @@ Rules, applied in this order to the proposed caps (each only ever lowers a cap):
     sequence decoding is slowed by its prefills, which a smaller batch does not remove (on
     code completion at 1 s / 50 ms, 9 ticks of 1,801 in one run, none in others); holding a
     total of 1 there would throttle a live engine whose profile is far off to one sequence.
+    The ceiling is recomputed every tick; ``kv_high``, ``p99`` and ``efficiency`` scale the
+    limits in force as they stood before it, so that a halving and the ceiling do not
+    compound: on report generation at 2 s / 100 ms the KV pool sits at the budget's 83-85%
+    usage, and ``kv_high`` halved the ceiling's 78 to 39, under the 48 sequences the KV lets
+    run (1.29 goodput/s against 1.33 without the ceiling; BENCHMARKS.md section 22).
 
 ``max_seq_len`` truncation / rejection is enforced at admission (``GuardConfig.max_seq_len``
 and ``over_length`` feed the deployment's ``max_model_len``); truncated and rejected requests
@@ -279,7 +284,9 @@ class GuardState:
     """What the guard remembers between ticks (exposed for observation flags).
 
     A ``*_limit`` holds one limit per bucket (``None``: no limit on that bucket), a
-    ``*_total`` the limit on the total (``None``: none).
+    ``*_total`` the limit on the total (``None``: none). ``ceiling_lowered`` holds the caps
+    and total given out at the last tick and the same before the ``tpot_fit`` ceiling, when
+    the ceiling lowered them: the rules that scale what is in force start from the latter.
     """
 
     kv_high_since_s: float | None = None
@@ -296,6 +303,8 @@ class GuardState:
     kv_budget_blocked: bool = False
     tpot_fit_total: int | None = None
     tpot_fit_slowdown: float = 1.0
+    ceiling_lowered: tuple[tuple[int | None, ...], int | None, tuple[int | None, ...],
+                           int | None] | None = None
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RULES, 0))
 
 
@@ -402,7 +411,9 @@ class Guard:
             if cfg.efficiency:
                 caps, total = self._efficiency(stats, caps, total, in_force, in_total,
                                                overrides)
+            before_ceiling: tuple[Caps, int | None] | None = None
             if self._tpot_fit is not None:
+                before_ceiling = (list(caps), total)
                 caps, total = self._tpot_fit_rule(stats, caps, total, overrides)
             self.state.kv_budget_blocked = (bool(stats.kv_budget_blocked)
                                             and cfg.kv_budget is not None)
@@ -411,12 +422,22 @@ class Guard:
 
         for o in overrides:
             self.state.counts[o.rule] += 1
-        if cfg.kv_budget is not None and total is not None:
-            # Uncapped buckets would go straight into the engines, past the KV budget: cap
-            # them at the total instead (the same limit, through admission and its budget).
-            caps = [total if c is None else c for c in caps]
+        caps = self._budget_caps(caps, total)
+        self.state.ceiling_lowered = None
+        if stats is not None and before_ceiling is not None:
+            unceiled = (self._budget_caps(*before_ceiling), before_ceiling[1])
+            if unceiled != (caps, total):
+                self.state.ceiling_lowered = (tuple(caps), total, tuple(unceiled[0]),
+                                              unceiled[1])
         assert len(caps) == n
         return ControlAction(tuple(caps), tuple(pools), total), overrides
+
+    def _budget_caps(self, caps: Caps, total: int | None) -> Caps:
+        if self.config.kv_budget is not None and total is not None:
+            # Uncapped buckets would go straight into the engines, past the KV budget: cap
+            # them at the total instead (the same limit, through admission and its budget).
+            return [total if c is None else c for c in caps]
+        return list(caps)
 
     # ------------------------------------------------------------------ rules
     def _sanitize(self, proposed: ControlAction | None,
@@ -455,6 +476,17 @@ class Guard:
         bucket counts as the ladder max unless a total was in force)."""
         if stats is None or len(stats.action.caps) != self._n_buckets:
             return list(caps), total
+        lowered = self.state.ceiling_lowered
+        if lowered is not None and lowered[:2] == (stats.action.caps,
+                                                   stats.action.max_num_seqs):
+            # the tpot_fit ceiling is recomputed every tick; the rules that scale what is
+            # in force scale the limit as it stood before it, or a halving and the ceiling
+            # compound (on reports the KV pool sits at the budget's 83-85% usage: kv_high
+            # halved the ceiling's 78 to 39, under the 48 the KV lets run)
+            caps_before, total_before = list(lowered[2]), lowered[3]
+            if total_before is not None:
+                return caps_before, total_before
+            return [self.config.max_cap if c is None else c for c in caps_before], None
         in_total = stats.action.max_num_seqs
         if in_total is not None:
             return list(stats.action.caps), in_total

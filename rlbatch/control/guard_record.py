@@ -27,11 +27,12 @@ from dataclasses import fields
 from rlbatch.control.discipline import KvBudget
 from rlbatch.control.guard import GuardConfig
 
-GUARD_REVISION = 10
+GUARD_REVISION = 11
 """Bumped whenever a rule behaves differently under the same configuration (8: the P99 trim
 serves a steady share of long prompts; 9: the KV budget holds the peak of the projected KV,
 ``kv_commit``; 10: the P99 trim's "the batch is too slow" test reads the mean step weighted
-by iterations, not the mean of each tick's). CHANGELOG.md has the history."""
+by iterations, not the mean of each tick's; 11: the rules that scale what is in force scale it
+as it stood before the ``tpot_fit`` ceiling). CHANGELOG.md has the history."""
 
 
 TPOT_FIT_SETTINGS = ("tpot_fit_margin", "tpot_fit_calibrated", "tpot_fit_spread")
