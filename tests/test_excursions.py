@@ -23,7 +23,7 @@ SPEC = DeploymentSpec()
 
 
 def _workload() -> Workload:
-    return make_scenario("bursty", seed=3, duration_s=240.0, rate_scale=1.5)
+    return make_scenario("bursty", seed=3, duration_s=120.0, rate_scale=1.5)
 
 
 class RecordingExcursions(ExcursionController):
