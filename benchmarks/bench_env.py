@@ -11,7 +11,8 @@ host KV tier engages only on traffic with prefix ids, e.g. Mooncake slices).
 
 ``--rule-cost`` also times, one after the other in the same run, the recipe's env without and
 with the guard's ``tpot_fit`` rule (total-share actions held for 5 ticks; observation version
-5 without, 7 with, as ``train.py`` defaults were before and are now) and prints the ratio.
+5 without the rule, 7 with it: the observation that states the rule's fit) and prints the
+ratio.
 
 Also times SB3's PPO overhead per step on the same machine (a rollout + update of a small
 run, divided by steps) so the two figures are comparable.

@@ -479,10 +479,8 @@ class Guard:
         lowered = self.state.ceiling_lowered
         if lowered is not None and lowered[:2] == (stats.action.caps,
                                                    stats.action.max_num_seqs):
-            # the tpot_fit ceiling is recomputed every tick; the rules that scale what is
-            # in force scale the limit as it stood before it, or a halving and the ceiling
-            # compound (on reports the KV pool sits at the budget's 83-85% usage: kv_high
-            # halved the ceiling's 78 to 39, under the 48 the KV lets run)
+            # the tpot_fit ceiling is recomputed every tick: scaling it would compound a
+            # halving with it (the module docstring's tpot_fit entry)
             caps_before, total_before = list(lowered[2]), lowered[3]
             if total_before is not None:
                 return caps_before, total_before
