@@ -238,6 +238,50 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+def _text(value: Any) -> str:
+    """A field's value as :func:`convert` reads it back."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple | list):
+        return ",".join(_text(v) for v in value)
+    return str(value)
+
+
+def override_items(obj: Any, base: Any, prefix: str = "") -> list[str]:
+    """The ``KEY=VALUE`` texts that turn ``base`` into ``obj`` (instances of one dataclass):
+    ``apply(base, parse_overrides(override_items(obj, base)))`` equals ``obj``. Only the
+    fields that differ are named; a nested dataclass by its own fields (``guard.p99=false``).
+
+    :param obj: the settings to reach.
+    :param base: the settings to start from.
+    :param prefix: put before every key (``guard.``).
+    :raises SettingsError: ``obj`` and ``base`` are not instances of one dataclass.
+    """
+    if not dataclasses.is_dataclass(obj) or type(obj) is not type(base):
+        raise SettingsError(f"override_items takes two instances of one dataclass, got "
+                            f"{type(obj).__name__} and {type(base).__name__}")
+    items: list[str] = []
+    for f in dataclasses.fields(obj):
+        if not f.init:
+            continue
+        value, start = getattr(obj, f.name), getattr(base, f.name)
+        if value == start or (isinstance(value, tuple | list) and isinstance(start, tuple | list)
+                              and tuple(value) == tuple(start)):
+            continue
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            # a table that was off starts from its defaults: name one field to switch it on
+            start = start if start is not None else type(value)()
+            nested = override_items(value, start, f"{key}.")
+            first = dataclasses.fields(value)[0].name
+            items += nested or [f"{key}.{first}={_text(getattr(value, first))}"]
+        else:
+            items.append(f"{key}={_text(value)}")
+    return items
+
+
 def load_settings_file(path: str | Path) -> dict[str, Any]:
     """A TOML settings file as a mapping (TOML itself refuses a key given twice).
 

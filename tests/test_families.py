@@ -18,6 +18,7 @@ from policies.evaluation.families import (
     Baselines,
     FamilyRun,
     evaluate_families,
+    guarded_constants,
     judge_family,
     judge_settings,
     pick_constant,
@@ -29,6 +30,7 @@ from policies.training.episodes import (
     sample_episodes,
 )
 from policies.training.recipe import RecipeConfig
+from rlbatch.control.controllers import make_controller
 from rlbatch.control.types import SLA
 from rlbatch.request import PREFIX_BLOCK_TOKENS
 from rlbatch.serving.admission import AdmissionConfig
@@ -174,6 +176,36 @@ def test_judge_family_ratios_regimes_and_starved_buckets() -> None:
         "vs_best_static_gmean"])
 
 
+def test_pick_constant_picks_among_the_constants_given() -> None:
+    behind = guarded_constants("fixed:8[guard.tpot_fit=true]")
+    rows = [_row(behind[1], 1.0, 0.8), _row(behind[3], 1.2, 0.8), _row(CONSTANTS[5], 9.0, 0.9)]
+    assert pick_constant(rows, behind) == behind[3] and pick_constant(rows) == CONSTANTS[5]
+
+
+def test_guarded_constants_carry_the_candidates_guard_settings() -> None:
+    behind = guarded_constants("ppo:policies/default")
+    assert [spec_total(c) for c in behind] == [int(c[6:]) for c in
+                                               (s.split("[")[0] for s in CONSTANTS)]
+    policy = make_controller("ppo:policies/default").pipeline
+    for spec in behind:
+        assert spec.startswith("fixed:") and "order=deadline" in spec
+        pipeline = make_controller(spec).pipeline
+        assert policy is not None and pipeline is not None
+        assert pipeline.config == replace(policy.config, ladder=tuple(policy.config.ladder))
+        assert pipeline.order == "deadline"
+    off = guarded_constants("fixed:8[guard.kv_budget=none,guard.p99=false]")
+    pipeline = make_controller(off[0]).pipeline
+    assert pipeline is not None and pipeline.config.kv_budget is None
+    assert not pipeline.config.p99
+    # no guard of its own: the plain constants are the ones
+    for spec in ("fixed:8[order=deadline]", "fixed:8", "static:8", "mpc"):
+        assert guarded_constants(spec) == (), spec
+
+
+def spec_total(spec: str) -> int:
+    return int(spec.split("[")[0].removeprefix("fixed:"))
+
+
 def test_judge_runs_name_every_static_and_constant_on_the_ladder() -> None:
     assert STATICS[0] == "static:4" and STATICS[-1] == "static:256"
     assert CONSTANTS[0] == "fixed:4[order=deadline]"
@@ -186,15 +218,18 @@ def test_a_judge_on_an_earlier_judges_baselines_runs_only_the_candidates(tmp_pat
     spec = DeploymentSpec(admission=AdmissionConfig(over_length="truncate"), sla=SLA(1.0, 0.05))
     small = {"families": ["code"], "loads": (1.0,), "seeds": (7001,), "training_seeds": (11,),
              "duration_s": 40.0, "n_jobs": 1, "quiet": True}
-    full, constant, _ = evaluate_families(["fixed:8"], spec, **small)  # type: ignore[arg-type]
+    judgement = evaluate_families(["fixed:8"], spec, **small)  # type: ignore[arg-type]
+    full, constant = judgement.rows, judgement.constant
+    assert judgement.guarded == {}
     path = tmp_path / "judge.json"
     path.write_text(json.dumps({"constant": constant, "rows": full, "settings": judge_settings(
         spec, 40.0, (11,))}))
     baselines = Baselines.load(path)
     assert len(baselines.rows) == len(STATICS) + len(CONSTANTS) + 2  # fixed:8 is no baseline
-    again, constant_again, report = evaluate_families(
-        ["fixed:8", "fixed:12"], spec, baselines=baselines, **small)  # type: ignore[arg-type]
-    assert constant_again == constant and "### fixed:12" in report
+    judged = evaluate_families(["fixed:8", "fixed:12"], spec, baselines=baselines,
+                               **small)  # type: ignore[arg-type]
+    again = judged.rows
+    assert judged.constant == constant and "### fixed:12" in judged.report
 
     def fixed8(rows: list[dict[str, Any]]) -> str:  # as text: NaN != NaN; wall time aside
         return json.dumps([{k: v for k, v in r.items() if k not in ("speedup_x",)
@@ -221,6 +256,25 @@ def test_a_judge_on_an_earlier_judges_baselines_runs_only_the_candidates(tmp_pat
     with pytest.raises(ValueError, match="another duration"):
         evaluate_families(["fixed:8"], spec, baselines=unrecorded,
                           **{**small, "duration_s": 30.0})  # type: ignore[arg-type]
+    # the constants behind a candidate's own guard: run on the training and judged runs
+    rule = "fixed:8[guard.tpot_fit=true]"
+    behind = evaluate_families([rule, "fixed:12"], spec, baselines=baselines,
+                               against_guard=True, **small)  # type: ignore[arg-type]
+    constants, picked = behind.guarded[rule]
+    assert list(behind.guarded) == [rule] and constants == guarded_constants(rule)
+    assert picked in constants
+    mine = {r["controller"]: r["goodput_rps"] for r in behind.rows}
+    assert set(constants) <= set(mine) and len(behind.rows) == len(again) + len(constants)
+    summary = next(s for s in behind.summaries([rule], ["code"]))
+    run = judge_family(behind.rows, rule, "code", constant, constants, picked)["runs"][0]
+    assert run["vs_guarded_constant"] == pytest.approx(mine[rule] / mine[picked])
+    assert run["vs_best_guarded_constant"] == pytest.approx(
+        mine[rule] / max(mine[c] for c in constants))
+    assert run["best_guarded_constant"] in constants
+    plain = judge_family(again, "fixed:12", "code", constant)["summary"]
+    assert behind.summaries(["fixed:12"], ["code"])[0] == pytest.approx(plain, nan_ok=True)
+    assert summary["candidate"] == rule
+    assert f"Constant behind its guard picked on the training seeds: `{picked}`" in behind.report
     for text in ("{}", '{"constant": "c", "rows": [{"controller": "mpc"}]}', "[1]"):
         path.write_text(text)
         with pytest.raises(ValueError, match="not a family judge's --json"):

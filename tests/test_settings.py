@@ -27,6 +27,7 @@ from rlbatch.settings import (
     field_docs,
     from_flags,
     load_settings_file,
+    override_items,
     parse_overrides,
 )
 
@@ -103,6 +104,30 @@ def test_apply_sets_nested_tables_and_the_dataclass_validates() -> None:
         apply(Outer(), {"inner": {"fractoin": "1"}})
     with pytest.raises(SettingsError, match=r"inner: fraction must be in \(0, 1\], got 2\.0"):
         apply(Outer(), {"inner": {"fraction": "2"}})
+
+
+@pytest.mark.parametrize("target", [
+    Outer(),
+    Outer(count=5, ratio=0.125, on=False, label="x", ladder=(4, 8, 16)),
+    Outer(inner=Inner(0.25, "final")),
+    Outer(maybe=Inner()),  # a table switched on at its defaults
+    Outer(maybe=Inner(mode="final")),
+])
+def test_override_items_name_what_differs_and_apply_back(target: Outer) -> None:
+    for base in (Outer(), Outer(label="y", maybe=Inner(0.5), inner=Inner(mode="final"))):
+        items = override_items(target, base, "x.")
+        assert all(item.startswith("x.") for item in items)
+        assert apply(base, parse_overrides(items)["x"] if items else {}) == target
+    assert override_items(Outer(), Outer()) == []
+    assert override_items(Outer(ladder=[1, 2]), Outer()) == []  # type: ignore[arg-type]
+    assert override_items(Outer(count=5, inner=Inner(0.25)), Outer()) == [
+        "count=5", "inner.fraction=0.25"]
+    assert override_items(Outer(), Outer(maybe=Inner())) == ["maybe=none"]
+
+
+def test_override_items_refuse_two_kinds() -> None:
+    with pytest.raises(SettingsError, match="two instances of one dataclass"):
+        override_items(Outer(), Inner())
 
 
 def test_overrides_nest_by_dots_and_refuse_repeats_and_clashes() -> None:

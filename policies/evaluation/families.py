@@ -11,6 +11,11 @@ hindsight-best static meets the SLA for 20-95%):
 * against **the best constant controller**: the ``fixed:N[order=deadline]`` with the best mean
   goodput over the training seeds' runs of every family (N picked on training traffic, one N
   for the deployment), and the hindsight-best constant of each run;
+* with ``--guarded-constants``, the same two against the constants behind **the candidate's
+  own guard** (``fixed:N[order=deadline,guard.…]`` with every guard setting of the candidate
+  that differs from the constants'): what the learning adds over the rules the candidate is
+  served behind, the learning claim. A guard rule that reads the traffic (``tpot_fit``) helps
+  a constant as much as a policy;
 * buckets more than 5 points under the best static's SLA attainment, KV overflows, and the
   FP8 pool's token share (two engines: both used);
 * the median total in force (``max_num_seqs``) per family: a controller that reads the traffic
@@ -27,7 +32,7 @@ import json
 import math
 import statistics
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -42,8 +47,10 @@ from rlbatch.commands.options import (
     deployment_spec_from_args,
 )
 from rlbatch.control.action_codec import TOTAL_LADDER
+from rlbatch.control.controllers import make_controller
 from rlbatch.control.guard_record import GUARD_REVISION
 from rlbatch.serving.deployment import DeploymentSpec
+from rlbatch.settings import override_items
 from rlbatch.tools.evaluate import EvalJob, run_jobs
 from rlbatch.workload.families import FAMILIES
 
@@ -102,22 +109,56 @@ def _goodput(row: dict[str, Any]) -> float:
     return float(row["goodput_rps"] or 0.0)
 
 
-def pick_constant(training_rows: Sequence[dict[str, Any]]) -> str:
-    """The ``fixed:N[order=deadline]`` with the best mean goodput over the training runs of
-    every family (ties: the smaller N)."""
+def pick_constant(training_rows: Sequence[dict[str, Any]],
+                  constants: Sequence[str] = CONSTANTS) -> str:
+    """The constant (one per total of the ladder, in its order) with the best mean goodput
+    over the training runs of every family (ties: the smaller N).
+
+    :param training_rows: the training runs' rows.
+    :param constants: the constants to pick from, one per :data:`TOTAL_LADDER` total.
+    """
     goodput: dict[str, list[float]] = defaultdict(list)
     for row in training_rows:
-        if row["controller"] in CONSTANTS:
+        if row["controller"] in constants:
             goodput[row["controller"]].append(_goodput(row))
     if not goodput:
         raise ValueError("no constant-controller runs to pick from")
     return max(goodput, key=lambda c: (statistics.fmean(goodput[c]),
-                                       -TOTAL_LADDER[CONSTANTS.index(c)]))
+                                       -TOTAL_LADDER[list(constants).index(c)]))
+
+
+def guarded_constants(candidate: str) -> tuple[str, ...]:
+    """The constants behind ``candidate``'s guard: ``fixed:N[order=deadline,guard.…]`` for
+    every N of the ladder, with each guard setting of the candidate that differs from the
+    constants' own; empty when the candidate has no guard or the constants' one (the plain
+    constants are then the same controllers).
+
+    :param candidate: a controller spec.
+    :raises ValueError: a bad spec.
+    """
+    pipeline = make_controller(candidate).pipeline
+    base = make_controller(CONSTANTS[-1]).pipeline
+    if pipeline is None or base is None:
+        return ()
+    items = override_items(pipeline.config, base.config, "guard.")
+    if not items:
+        return ()
+    return tuple(f"fixed:{n}[order=deadline,{','.join(items)}]" for n in TOTAL_LADDER)
 
 
 def judge_family(rows: Sequence[dict[str, Any]], candidate: str, family: str,
-                 constant: str) -> dict[str, Any]:
-    """The checks of one candidate on one family's runs (see the module docstring)."""
+                 constant: str, guarded: Sequence[str] = (),
+                 guarded_constant: str | None = None) -> dict[str, Any]:
+    """The checks of one candidate on one family's runs (see the module docstring).
+
+    :param rows: the judged rows.
+    :param candidate: the candidate's controller name.
+    :param family: the family.
+    :param constant: the constant picked on training traffic.
+    :param guarded: the constants behind the candidate's guard (:func:`guarded_constants`;
+        empty: not judged against them).
+    :param guarded_constant: the one of them picked on training traffic.
+    """
     by_run: dict[tuple[str, float], dict[str, dict[str, Any]]] = defaultdict(dict)
     for row in rows:
         if row["family"] == family:
@@ -131,6 +172,8 @@ def judge_family(rows: Sequence[dict[str, Any]], candidate: str, family: str,
         mine = r[candidate]
         constants = [r[c] for c in CONSTANTS if c in r]
         best_constant = max(constants, key=_goodput) if constants else None
+        behind = [r[c] for c in guarded if c in r]
+        best_behind = max(behind, key=_goodput) if behind else None
         runs.append({
             "trace": trace, "load": load,
             "contested": CONTESTED[0] <= float(best["sla_attainment"] or 0) <= CONTESTED[1],
@@ -142,6 +185,10 @@ def judge_family(rows: Sequence[dict[str, Any]], candidate: str, family: str,
             "vs_constant": goodput_ratio(mine, r.get(constant)),
             "best_constant": None if best_constant is None else best_constant["controller"],
             "vs_best_constant": goodput_ratio(mine, best_constant),
+            "vs_guarded_constant": goodput_ratio(
+                mine, None if guarded_constant is None else r.get(guarded_constant)),
+            "best_guarded_constant": None if best_behind is None else best_behind["controller"],
+            "vs_best_guarded_constant": goodput_ratio(mine, best_behind),
             "starved": starved_buckets(mine, best),
             "kv_overflows": int(mine["kv_overflows"] or 0),
             "fp8_token_share": mine.get("fp8_token_share"),
@@ -160,6 +207,8 @@ def judge_family(rows: Sequence[dict[str, Any]], candidate: str, family: str,
         "vs_mpc_gmean": over("vs_mpc"), "vs_gradient_gmean": over("vs_gradient"),
         "vs_constant_gmean": over("vs_constant"),
         "vs_best_constant_gmean": over("vs_best_constant"),
+        "vs_guarded_constant_gmean": over("vs_guarded_constant"),
+        "vs_best_guarded_constant_gmean": over("vs_best_guarded_constant"),
         "runs_with_starved_bucket": sum(1 for v in contested if v["starved"]),
         "kv_overflows": sum(v["kv_overflows"] for v in runs),
         "total_median": statistics.median(
@@ -181,26 +230,39 @@ def _cell(x: float, suffix: str = "x") -> str:
 
 
 def render(rows: Sequence[dict[str, Any]], candidates: Sequence[str], families: Sequence[str],
-           constant: str) -> str:
-    """Markdown: one table of per-family summaries per candidate, then the runs."""
+           constant: str, guarded: Mapping[str, tuple[tuple[str, ...], str]] | None = None
+           ) -> str:
+    """Markdown: one table of per-family summaries per candidate, then the runs.
+
+    :param guarded: per candidate, the constants behind its guard and the one picked
+        (:attr:`Judgement.guarded`; the columns show ``-`` for a candidate without).
+    """
+    guarded = guarded or {}
     out = [f"Constant picked on the training seeds: `{constant}`. Contested: the best static "
            f"meets the SLA for {100 * CONTESTED[0]:.0f}-{100 * CONTESTED[1]:.0f}%. Ratios are "
-           "geo-means of goodput over the contested runs.", ""]
+           "geo-means of goodput over the contested runs. Behind its guard: the constants "
+           "with the candidate's guard settings (`--guarded-constants`), the one picked on the "
+           "training seeds and the hindsight best of each run.", ""]
     for cand in candidates:
-        out += [f"### {cand}", "",
-                "| family | contested | vs best static | worst | vs mpc | vs gradient | "
-                "vs constant | vs best constant (hindsight) | starved runs | KV overflows | "
-                "median total | must |",
-                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        behind, picked = guarded.get(cand, ((), None))
+        out += [f"### {cand}", ""]
+        if picked is not None:
+            out += [f"Constant behind its guard picked on the training seeds: `{picked}`.", ""]
+        out += ["| family | contested | vs best static | worst | vs mpc | vs gradient | "
+                "vs constant | vs best constant (hindsight) | vs constant behind its guard | "
+                "(hindsight) | starved runs | KV overflows | median total | must |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         detail = []
         for family in families:
-            res = judge_family(rows, cand, family, constant)
+            res = judge_family(rows, cand, family, constant, behind, picked)
             s = res["summary"]
             out.append(
                 f"| {family} | {s['contested_runs']}/{s['runs']} | "
                 f"{_cell(s['vs_best_static_gmean'])} | {_cell(s['vs_best_static_min'])} | "
                 f"{_cell(s['vs_mpc_gmean'])} | {_cell(s['vs_gradient_gmean'])} | "
                 f"{_cell(s['vs_constant_gmean'])} | {_cell(s['vs_best_constant_gmean'])} | "
+                f"{_cell(s['vs_guarded_constant_gmean'])} | "
+                f"{_cell(s['vs_best_guarded_constant_gmean'])} | "
                 f"{s['runs_with_starved_bucket']} | {s['kv_overflows']} | "
                 f"{_cell(s['total_median'], '')} | {'met' if s['must_met'] else 'NOT met'} |")
             detail += [
@@ -208,11 +270,12 @@ def render(rows: Sequence[dict[str, Any]], candidates: Sequence[str], families: 
                 f"{'contested' if v['contested'] else '-'} | {v['best_static']} "
                 f"({100 * float(v['best_static_sla'] or 0):.0f}%) | {v['goodput_rps']:.2f} | "
                 f"{_cell(v['vs_best_static'])} | {v['best_constant']} | "
-                f"{_cell(v['vs_best_constant'])} | {_cell(v['total_median'], '')} | "
-                f"{', '.join(v['starved']) or '-'} |" for v in res["runs"]]
+                f"{_cell(v['vs_best_constant'])} | {_cell(v['vs_best_guarded_constant'])} | "
+                f"{_cell(v['total_median'], '')} | {', '.join(v['starved']) or '-'} |"
+                for v in res["runs"]]
         out += ["", "| run | load | regime | best static | goodput/s | vs best static | "
-                "best constant | vs it | median total | starved |",
-                "|---|---:|---|---|---:|---:|---|---:|---:|---|", *detail, ""]
+                "best constant | vs it | vs best behind its guard | median total | starved |",
+                "|---|---:|---|---|---:|---:|---|---:|---:|---:|---|", *detail, ""]
     return "\n".join(out)
 
 
@@ -306,28 +369,67 @@ def judge_settings(spec: DeploymentSpec, duration_s: float,
             "clients": str(spec.clients)}
 
 
+@dataclass(frozen=True)
+class Judgement:
+    """What a family judge gives.
+
+    :param rows: the judged rows (baselines, candidates and the constants behind their
+        guards).
+    :param constant: the constant picked on the training seeds.
+    :param guarded: per candidate with a guard of its own, the constants behind it
+        (:func:`guarded_constants`) and the one picked on the training seeds.
+    :param report: the Markdown report.
+    """
+
+    rows: list[dict[str, Any]]
+    constant: str
+    guarded: dict[str, tuple[tuple[str, ...], str]]
+    report: str
+
+    def summaries(self, candidates: Sequence[str], families: Sequence[str]
+                  ) -> list[dict[str, Any]]:
+        """Every candidate's summary on every family (:func:`judge_family`)."""
+        return [judge_family(self.rows, c, f, self.constant, *self.guarded.get(c, ((), None)))
+                ["summary"] for c in candidates for f in families]
+
+
 def evaluate_families(candidates: Sequence[str], spec: DeploymentSpec, *,
                       families: Sequence[str], loads: Sequence[float] = LOADS,
                       seeds: Sequence[int] = VALIDATION_SEEDS,
                       training_seeds: Sequence[int] = TRAINING_SEEDS,
                       duration_s: float = 600.0, rate_scale: float = 1.0, n_jobs: int = 2,
                       quiet: bool = False, baselines: Baselines | None = None,
-                      ) -> tuple[list[dict[str, Any]], str, str]:
-    """Run the training runs (for the constant) and the judged runs; return the judged
-    rows, the constant and the Markdown report. With ``baselines`` only the candidates run
-    and the baselines' rows and constant stand for the rest; each candidate's run must have
-    been given the same requests as the baselines' (checked).
+                      against_guard: bool = False) -> Judgement:
+    """Run the training runs (for the constant) and the judged runs. With ``baselines`` only
+    the candidates run and the baselines' rows and constant stand for the rest; each
+    candidate's run must have been given the same requests as the baselines' (checked). With
+    ``against_guard`` the constants behind each candidate's guard run too, on the training
+    seeds (to pick one) and on the judged runs.
 
     :raises ValueError: the baselines do not cover the runs (:meth:`Baselines.for_runs`).
     """
     judged_runs = family_runs(families, loads, seeds)
+    train_runs = family_runs(families, loads, training_seeds)
+    behind = {c: guarded_constants(c) for c in candidates} if against_guard else {}
+    extra = list(dict.fromkeys(k for ks in behind.values() for k in ks))
     if baselines is not None:
         baselines.check_settings(judge_settings(spec, duration_s, training_seeds))
         reused = baselines.for_runs(judged_runs, spec, rate_scale)
-        fresh = [c for c in candidates if c not in BASELINES]
-        jobs = family_jobs(fresh, judged_runs, spec, rate_scale, duration_s)
-        rows = _label(run_jobs(jobs, n_jobs=n_jobs, quiet=quiet, desc="families"), jobs,
-                      judged_runs, len(fresh))
+        controllers = list(dict.fromkeys([*(c for c in candidates if c not in BASELINES),
+                                           *extra]))
+        train_controllers = extra
+        constant: str | None = baselines.constant
+    else:
+        reused = []
+        controllers = list(dict.fromkeys([*BASELINES, *candidates, *extra]))
+        train_controllers = [*CONSTANTS, *extra]
+        constant = None
+    train_jobs = family_jobs(train_controllers, train_runs, spec, rate_scale, duration_s)
+    judged_jobs = family_jobs(controllers, judged_runs, spec, rate_scale, duration_s)
+    done = run_jobs([*train_jobs, *judged_jobs], n_jobs=n_jobs, quiet=quiet, desc="families")
+    train_rows = _label(done[:len(train_jobs)], train_jobs, train_runs, len(train_controllers))
+    rows = _label(done[len(train_jobs):], judged_jobs, judged_runs, len(controllers))
+    if reused:
         submitted = {(r["trace"], float(r["load"])): r["submitted"] for r in reused}
         for row in rows:
             if row["submitted"] != submitted[(row["trace"], float(row["load"]))]:
@@ -335,18 +437,12 @@ def evaluate_families(candidates: Sequence[str], spec: DeploymentSpec, *,
                                  f"{row['load']:g} was given {row['submitted']} requests, the "
                                  f"baselines {submitted[(row['trace'], float(row['load']))]}: "
                                  f"another duration or workload; judge in full")
-        judged = [*reused, *rows]
-        return judged, baselines.constant, render(judged, candidates, families,
-                                                  baselines.constant)
-    controllers = [*BASELINES, *(c for c in candidates if c not in BASELINES)]
-    train_runs = family_runs(families, loads, training_seeds)
-    train_jobs = family_jobs(CONSTANTS, train_runs, spec, rate_scale, duration_s)
-    judged_jobs = family_jobs(controllers, judged_runs, spec, rate_scale, duration_s)
-    rows = run_jobs([*train_jobs, *judged_jobs], n_jobs=n_jobs, quiet=quiet, desc="families")
-    train_rows = _label(rows[:len(train_jobs)], train_jobs, train_runs, len(CONSTANTS))
-    judged = _label(rows[len(train_jobs):], judged_jobs, judged_runs, len(controllers))
-    constant = pick_constant(train_rows)
-    return judged, constant, render(judged, candidates, families, constant)
+    judged = [*reused, *rows]
+    if constant is None:
+        constant = pick_constant(train_rows)
+    guarded = {c: (ks, pick_constant(train_rows, ks)) for c, ks in behind.items() if ks}
+    return Judgement(judged, constant, guarded,
+                     render(judged, candidates, families, constant, guarded))
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -389,6 +485,13 @@ def main(argv: list[str] | None = None) -> int:
                         "and duration: its statics, constants, mpc and gradient rows and its "
                         "constant are reused and only the candidates run (minutes instead of "
                         "half an hour)")
+    p.add_argument("--guarded-constants", action="store_true",
+                   help="also judge each candidate against the constant totals behind its "
+                        "own guard (fixed:N[order=deadline,guard...] with the candidate's "
+                        "guard settings; N picked on the training seeds, and the hindsight "
+                        "best of each run): what learning adds over the rules it is served "
+                        "behind (the ladder's 12 constants more on the training and judged "
+                        "runs)")
     add_deployment_options(p)
     p.set_defaults(over_length="truncate")
     args = p.parse_args(argv)
@@ -405,22 +508,23 @@ def main(argv: list[str] | None = None) -> int:
              else deployment_rate_scale(spec.gpu, spec.model, spec.pools))
     try:
         baselines = None if args.baselines is None else Baselines.load(args.baselines)
-        rows, constant, report = evaluate_families(
+        judgement = evaluate_families(
             candidates, spec, families=families, loads=args.loads, seeds=args.seeds,
             training_seeds=args.training_seeds, duration_s=args.duration_s, rate_scale=scale,
-            n_jobs=args.jobs, quiet=args.quiet, baselines=baselines)
+            n_jobs=args.jobs, quiet=args.quiet, baselines=baselines,
+            against_guard=args.guarded_constants)
     except ValueError as e:
         p.error(str(e))
-    print(report)
+    print(judgement.report)
     if args.markdown:
-        args.markdown.write_text(report + "\n")
+        args.markdown.write_text(judgement.report + "\n")
     if args.json:
-        summaries = [judge_family(rows, c, f, constant)["summary"]
-                     for c in candidates for f in families]
         settings = judge_settings(spec, args.duration_s, args.training_seeds)
-        args.json.write_text(json.dumps({"constant": constant, "settings": settings,
-                                         "summaries": summaries, "rows": rows},
-                                        indent=1, default=str) + "\n")
+        args.json.write_text(json.dumps(
+            {"constant": judgement.constant, "settings": settings,
+             "guarded_constants": {c: picked for c, (_, picked) in judgement.guarded.items()},
+             "summaries": judgement.summaries(candidates, families), "rows": judgement.rows},
+            indent=1, default=str) + "\n")
     return 0
 
 
