@@ -30,6 +30,7 @@ from policies.training.episodes import (
     sample_episodes,
 )
 from policies.training.recipe import RecipeConfig
+from rlbatch.control.action_codec import TOTAL_LADDER
 from rlbatch.control.controllers import make_controller
 from rlbatch.control.types import SLA
 from rlbatch.request import PREFIX_BLOCK_TOKENS
@@ -184,8 +185,7 @@ def test_pick_constant_picks_among_the_constants_given() -> None:
 
 def test_guarded_constants_carry_the_candidates_guard_settings() -> None:
     behind = guarded_constants("ppo:policies/default")
-    assert [spec_total(c) for c in behind] == [int(c[6:]) for c in
-                                               (s.split("[")[0] for s in CONSTANTS)]
+    assert [int(c.split("[")[0].removeprefix("fixed:")) for c in behind] == list(TOTAL_LADDER)
     policy = make_controller("ppo:policies/default").pipeline
     for spec in behind:
         assert spec.startswith("fixed:") and "order=deadline" in spec
@@ -200,10 +200,6 @@ def test_guarded_constants_carry_the_candidates_guard_settings() -> None:
     # no guard of its own: the plain constants are the ones
     for spec in ("fixed:8[order=deadline]", "fixed:8", "static:8", "mpc"):
         assert guarded_constants(spec) == (), spec
-
-
-def spec_total(spec: str) -> int:
-    return int(spec.split("[")[0].removeprefix("fixed:"))
 
 
 def test_judge_runs_name_every_static_and_constant_on_the_ladder() -> None:
@@ -265,7 +261,7 @@ def test_a_judge_on_an_earlier_judges_baselines_runs_only_the_candidates(tmp_pat
     assert picked in constants
     mine = {r["controller"]: r["goodput_rps"] for r in behind.rows}
     assert set(constants) <= set(mine) and len(behind.rows) == len(again) + len(constants)
-    summary = next(s for s in behind.summaries([rule], ["code"]))
+    summary = behind.summaries([rule], ["code"])[0]
     run = judge_family(behind.rows, rule, "code", constant, constants, picked)["runs"][0]
     assert run["vs_guarded_constant"] == pytest.approx(mine[rule] / mine[picked])
     assert run["vs_best_guarded_constant"] == pytest.approx(

@@ -238,11 +238,12 @@ def render(rows: Sequence[dict[str, Any]], candidates: Sequence[str], families: 
         (:attr:`Judgement.guarded`; the columns show ``-`` for a candidate without).
     """
     guarded = guarded or {}
+    behind_note = (" Behind its guard: the constants with the candidate's guard settings "
+                   "(`--guarded-constants`), the one picked on the training seeds and the "
+                   "hindsight best of each run." if guarded else "")
     out = [f"Constant picked on the training seeds: `{constant}`. Contested: the best static "
            f"meets the SLA for {100 * CONTESTED[0]:.0f}-{100 * CONTESTED[1]:.0f}%. Ratios are "
-           "geo-means of goodput over the contested runs. Behind its guard: the constants "
-           "with the candidate's guard settings (`--guarded-constants`), the one picked on the "
-           "training seeds and the hindsight best of each run.", ""]
+           f"geo-means of goodput over the contested runs.{behind_note}", ""]
     for cand in candidates:
         behind, picked = guarded.get(cand, ((), None))
         out += [f"### {cand}", ""]

@@ -476,19 +476,15 @@ class Guard:
         bucket counts as the ladder max unless a total was in force)."""
         if stats is None or len(stats.action.caps) != self._n_buckets:
             return list(caps), total
+        in_caps, in_total = stats.action.caps, stats.action.max_num_seqs
         lowered = self.state.ceiling_lowered
-        if lowered is not None and lowered[:2] == (stats.action.caps,
-                                                   stats.action.max_num_seqs):
+        if lowered is not None and lowered[:2] == (in_caps, in_total):
             # the tpot_fit ceiling is recomputed every tick: scaling it would compound a
             # halving with it (the module docstring's tpot_fit entry)
-            caps_before, total_before = list(lowered[2]), lowered[3]
-            if total_before is not None:
-                return caps_before, total_before
-            return [self.config.max_cap if c is None else c for c in caps_before], None
-        in_total = stats.action.max_num_seqs
+            in_caps, in_total = lowered[2], lowered[3]
         if in_total is not None:
-            return list(stats.action.caps), in_total
-        return [self.config.max_cap if c is None else c for c in stats.action.caps], None
+            return list(in_caps), in_total
+        return [self.config.max_cap if c is None else c for c in in_caps], None
 
     def _limit(self, caps: Caps, total: int | None, limit: Sequence[int | None],
                limit_total: int | None, rule: str,
