@@ -24,6 +24,7 @@ from rlbatch.control.tpot_fit import (
 from rlbatch.control.types import SLA, ControlAction, DeploymentInfo, DeploymentStats
 from rlbatch.engine.stats import FinishedRequest
 from rlbatch.serving.admission import AdmissionConfig
+from rlbatch.serving.builders import build_sim_deployment
 from rlbatch.serving.deployment import DeploymentSpec
 from rlbatch.serving.run import run
 from rlbatch.workload.families import family_workload
@@ -115,13 +116,68 @@ def test_the_rule_holds_the_total_at_the_largest_that_fits() -> None:
         (0, largest), (1, largest)}
     # a copy (mpc's candidate pipelines) shares the fit and its memo, not the traffic read
     twin = copy.deepcopy(guard)
-    assert twin._tpot_fit is guard._tpot_fit and twin._traffic is not guard._traffic
-    assert twin._calibration is not guard._calibration
+    assert twin._tpot_fits["fp16"] is guard._tpot_fits["fp16"]
+    assert twin._traffic is not guard._traffic
+    assert twin._calibrations["fp16"] is not guard._calibrations["fp16"]
     twin.check(proposal, _long_context_tick(121.0))
     assert twin._traffic.prefill_per_s > guard._traffic.prefill_per_s  # one tick more read
     # a smaller proposal is left alone
     smaller, overrides = guard.check(replace(proposal, max_num_seqs=4), _long_context_tick(120.0))
     assert smaller.max_num_seqs == 4 and not [o for o in overrides if o.rule == "tpot_fit"]
+
+
+def _two_pool_tick(t: float, in_force: ControlAction) -> DeploymentStats:
+    """The long-context tick on an FP16 and an FP8 engine, each with half the traffic."""
+    base = _long_context_tick(t)
+    fp16 = base.engines[0]
+    fp8 = replace(fp16, engine_id=1, pool="fp8")
+    return replace(base, engines=(fp16, fp8), action=in_force)
+
+
+@pytest.mark.parametrize("per_pool", [True, False])
+def test_two_pools_get_a_ceiling_each_from_their_precision(per_pool: bool) -> None:
+    """The total is the largest ceiling of any pool; the others' are lowered per pool, and
+    admission runs each engine at its own (an FP8 engine fits a bigger batch)."""
+    info = replace(_info(0.05), pools={"fp16": 1, "fp8": 1},
+                   num_kv_blocks={"fp16": 4096, "fp8": 8192})
+    guard = Guard(GuardConfig(warmup=False, p99=False, tpot_fit=True, tpot_fit_calibrated=False,
+                              tpot_fit_spread=0.0, tpot_fit_per_pool=per_pool))
+    guard.reset(info)
+    proposal = ControlAction((None,) * 3, ("any",) * 3, 256)
+    action = proposal
+    for t in range(1, 120):
+        action, _ = guard.check(proposal, _two_pool_tick(float(t), action))
+    margin = GuardConfig().tpot_fit_margin
+    means = TrafficMeans()
+    for _ in range(119):
+        means.update(_two_pool_tick(1.0, proposal), 1.0)
+    inputs = means.fit_inputs(engines=2)
+    fp16, fp8 = (TpotFit.for_deployment(info, 0.05 * margin, pool).largest_total(*inputs, 256)
+                 for pool in ("fp16", "fp8"))
+    assert 8 < fp16 < fp8 < 256
+    if per_pool:
+        assert action.max_num_seqs == fp8 and action.pool_max_num_seqs == (("fp16", fp16),)
+        assert guard.state.tpot_fit_pool_totals == (("fp16", fp16),)
+    else:  # the first pool's ceiling caps both engines
+        assert action.max_num_seqs == fp16 and action.pool_max_num_seqs == ()
+    # a proposal under both ceilings is left alone, and so is each engine
+    small, _ = guard.check(replace(proposal, max_num_seqs=4), _two_pool_tick(120.0, action))
+    assert small.max_num_seqs == 4 and small.pool_max_num_seqs == ()
+    # admission runs each engine at its pool's cap
+    deployment = build_sim_deployment(DeploymentSpec(pools={"fp16": 1, "fp8": 1}))
+    n = len(deployment.info.buckets)
+    deployment.admission.apply(replace(action, caps=(None,) * n, pools=("any",) * n))
+    assert [(e.pool, e.max_num_seqs) for e in deployment.admission.engines] == [
+        ("fp16", fp16 if per_pool else action.max_num_seqs), ("fp8", action.max_num_seqs)]
+
+
+def test_pool_caps_need_a_total_and_a_known_pool() -> None:
+    with pytest.raises(ValueError, match="needs a max_num_seqs"):
+        ControlAction((None,), ("fp16",), None, (("fp16", 8),))
+    with pytest.raises(ValueError, match="each pool once"):
+        ControlAction((None,), ("fp16",), 16, (("fp16", 8), ("fp16", 4)))
+    with pytest.raises(ValueError, match="each pool once"):
+        ControlAction((None,), ("fp16",), 16, (("fp16", 0),))
 
 
 def test_halvings_scale_the_limit_as_it_stood_before_the_ceiling() -> None:
@@ -228,7 +284,7 @@ def test_the_calibrated_rule_holds_less_where_the_engine_runs_slower_than_the_fi
     assert guard.state.tpot_fit_slowdown == quantised_slowdown(
         slowdowns[True] * spread_slowdown(200.0, 2.0))
     guard.reset(_info(0.05))  # a new run forgets the engine's speed
-    assert guard._calibration.log_ratio == 0.0 and guard.state.tpot_fit_slowdown == 1.0
+    assert guard._calibrations["fp16"].log_ratio == 0.0 and guard.state.tpot_fit_slowdown == 1.0
 
 
 def test_the_spread_allowance_shrinks_with_the_output_length() -> None:

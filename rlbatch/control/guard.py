@@ -85,7 +85,15 @@ Rules, applied in this order to the proposed caps (each only ever lowers a cap):
     then, it only queues). The ``p99`` rule acts once the window shows a breach, which on
     long contexts comes one batch too late: on RAG at 1 s / 50 ms the TPOT limit sits between
     24 and 32 running and one ladder step decides three times the goodput (BENCHMARKS.md).
-    Needs the deployment's GPU and model profiles; the fit takes the first pool's precision.
+    Needs the deployment's GPU and model profiles. On two pools the first pool's fit caps
+    every engine unless ``tpot_fit_per_pool``: then each pool has its own fit, from its
+    precision, and its own calibration, the total is the largest ceiling, and the action
+    lowers it for the other pool's engines (``ControlAction.pool_max_num_seqs``). One ceiling
+    holds the FP8 engine of an FP16 + FP8 deployment at the FP16 engine's limit: on RAG at
+    2 s / 100 ms it runs 46-50 sequences where it meets the TPOT at 54-83, and the queue grows;
+    a ceiling per pool clears it (+8-12%), but loses 1-5% on code completion and up to 8% on
+    overloaded reports, where the fit is too loose and the FP16 ceiling's conservatism paid.
+    So it is off by default (BENCHMARKS.md section 24).
     The prediction is scaled by how much slower than predicted the engines' iterations have
     run (``tpot_fit_calibrated``, :class:`~rlbatch.control.tpot_fit.FitCalibration`): the fit
     misses by a factor that depends on the traffic (on code completion the iterations run
@@ -183,6 +191,8 @@ class GuardConfig:
     :param tpot_fit_spread: the ceiling's allowance for a request's TPOT spreading around the
         engine's mean iteration time, which shrinks with its output length
         (:func:`~rlbatch.control.tpot_fit.spread_slowdown`; 0: none).
+    :param tpot_fit_per_pool: on two pools, a ceiling per pool from its own precision's fit
+        (the default ``False``: the first pool's ceiling caps every engine).
     """
 
     ladder: tuple[int, ...] = DEFAULT_LADDER
@@ -214,6 +224,7 @@ class GuardConfig:
     tpot_fit_margin: float = 1.05
     tpot_fit_calibrated: bool = True
     tpot_fit_spread: float = 2.5
+    tpot_fit_per_pool: bool = False
 
     def __post_init__(self) -> None:
         if not self.ladder or any(c < 1 for c in self.ladder) or list(self.ladder) != sorted(
@@ -303,6 +314,7 @@ class GuardState:
     kv_budget_blocked: bool = False
     tpot_fit_total: int | None = None
     tpot_fit_slowdown: float = 1.0
+    tpot_fit_pool_totals: tuple[tuple[str, int], ...] = ()
     ceiling_lowered: tuple[tuple[int | None, ...], int | None, tuple[int | None, ...],
                            int | None] | None = None
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RULES, 0))
@@ -329,10 +341,10 @@ class Guard:
         self._sla_tpot_s = 0.1
         self._cold_start = True
         self._trim = self._new_trim((512.0, 1536.0, 3072.0, 6144.0))
-        self._tpot_fit: TpotFit | None = None
+        self._tpot_fits: dict[str, TpotFit] = {}
         self._fit_key: tuple[object, ...] | None = None
         self._traffic = TrafficMeans(TRAFFIC_TAU_S)
-        self._calibration = FitCalibration(TRAFFIC_TAU_S)
+        self._calibrations: dict[str, FitCalibration] = {}
 
     def reset(self, info: DeploymentInfo) -> None:
         """Start of a run: forget all state.
@@ -348,17 +360,20 @@ class Guard:
         self._cold_start = info.cold_start
         self._trim = self._new_trim(nominal_lengths(info))
         self._traffic.reset()
-        self._calibration.reset()
-        self._tpot_fit = self._fit_for(info) if self.config.tpot_fit else None
+        self._tpot_fits = self._fits_for(info) if self.config.tpot_fit else {}
+        self._calibrations = {pool: FitCalibration(TRAFFIC_TAU_S) for pool in self._tpot_fits}
 
-    def _fit_for(self, info: DeploymentInfo) -> TpotFit:
-        # kept across runs of the same deployment and SLA: its memo outlives an episode
-        key = (info.gpu, info.model, info.pool_names[:1], info.max_num_batched_tokens,
+    def _fits_for(self, info: DeploymentInfo) -> dict[str, TpotFit]:
+        # kept across runs of the same deployment and SLA: their memos outlive an episode
+        pools = info.pool_names if self.config.tpot_fit_per_pool else info.pool_names[:1]
+        key = (info.gpu, info.model, pools, info.max_num_batched_tokens,
                info.default_max_num_seqs, info.sla.tpot_s * self.config.tpot_fit_margin)
-        if self._fit_key != key or self._tpot_fit is None:
-            self._tpot_fit = TpotFit.for_deployment(info, key[-1])
+        if self._fit_key != key or not self._tpot_fits:
+            self._tpot_fits = {pool: TpotFit.for_deployment(info, info.sla.tpot_s
+                                                            * self.config.tpot_fit_margin, pool)
+                               for pool in pools}
             self._fit_key = key
-        return self._tpot_fit
+        return self._tpot_fits
 
     def _new_trim(self, lengths: tuple[float, ...]) -> ProportionalTrim:
         cfg = self.config
@@ -412,7 +427,7 @@ class Guard:
                 caps, total = self._efficiency(stats, caps, total, in_force, in_total,
                                                overrides)
             before_ceiling: tuple[Caps, int | None] | None = None
-            if self._tpot_fit is not None:
+            if self._tpot_fits:
                 before_ceiling = (list(caps), total)
                 caps, total = self._tpot_fit_rule(stats, caps, total, overrides)
             self.state.kv_budget_blocked = (bool(stats.kv_budget_blocked)
@@ -422,15 +437,25 @@ class Guard:
 
         for o in overrides:
             self.state.counts[o.rule] += 1
-        caps = self._budget_caps(caps, total)
+        caps = self._budget_caps(self._within_total(caps, total), total)
         self.state.ceiling_lowered = None
         if stats is not None and before_ceiling is not None:
-            unceiled = (self._budget_caps(*before_ceiling), before_ceiling[1])
+            unceiled = (self._budget_caps(self._within_total(*before_ceiling),
+                                          before_ceiling[1]), before_ceiling[1])
             if unceiled != (caps, total):
                 self.state.ceiling_lowered = (tuple(caps), total, tuple(unceiled[0]),
                                               unceiled[1])
         assert len(caps) == n
-        return ControlAction(tuple(caps), tuple(pools), total), overrides
+        pool_ceilings = () if total is None or stats is None else tuple(
+            (pool, cap) for pool, cap in self.state.tpot_fit_pool_totals if cap < total)
+        return ControlAction(tuple(caps), tuple(pools), total, pool_ceilings), overrides
+
+    @staticmethod
+    def _within_total(caps: Caps, total: int | None) -> Caps:
+        # a bucket limit set against a total that a later rule lowered (an uncapped bucket
+        # trimmed to 170 of 171, then the ceiling at 169) is bound by the total alone
+        return list(caps) if total is None else [c if c is None else min(c, total)
+                                                 for c in caps]
 
     def _budget_caps(self, caps: Caps, total: int | None) -> Caps:
         if self.config.kv_budget is not None and total is not None:
@@ -589,22 +614,31 @@ class Guard:
 
     def _tpot_fit_rule(self, stats: DeploymentStats, caps: Caps, total: int | None,
                        overrides: list[Override]) -> tuple[Caps, int | None]:
-        assert self._tpot_fit is not None
         tick = stats.tick_s if stats.tick_s > 0 and math.isfinite(stats.tick_s) else 1.0
         self._traffic.update(stats, tick)
         cfg = self.config
         inputs = self._traffic.fit_inputs(len(stats.engines))
-        slowdown = 1.0
-        if cfg.tpot_fit_calibrated:
-            self._calibration.update(self._tpot_fit, stats, inputs, tick,
-                                     self._pools[0] if self._pools else None)
-            slowdown = self._calibration.slowdown
-        if cfg.tpot_fit_spread > 0:
-            slowdown = quantised_slowdown(slowdown * spread_slowdown(inputs[2],
-                                                                     cfg.tpot_fit_spread))
-        largest = self._tpot_fit.largest_total(*inputs, cfg.max_total_cap, slowdown)
+        by_pool: dict[str, int] = {}
+        slowdowns: list[float] = []
+        for pool, fit in self._tpot_fits.items():
+            slowdown = 1.0
+            if cfg.tpot_fit_calibrated:
+                calibration = self._calibrations[pool]
+                calibration.update(fit, stats, inputs, tick, pool)
+                slowdown = calibration.slowdown
+            if cfg.tpot_fit_spread > 0:
+                slowdown = quantised_slowdown(slowdown * spread_slowdown(inputs[2],
+                                                                         cfg.tpot_fit_spread))
+            slowdowns.append(slowdown)
+            # a pool where not even one sequence fits holds nothing (the module docstring)
+            if largest := fit.largest_total(*inputs, cfg.max_total_cap, slowdown):
+                by_pool[pool] = largest
+        # the total is the largest any pool runs; admission lowers it for the other pools
+        largest = max(by_pool.values(), default=0)
         self.state.tpot_fit_total = largest or None
-        self.state.tpot_fit_slowdown = slowdown
+        self.state.tpot_fit_slowdown = slowdowns[0]
+        self.state.tpot_fit_pool_totals = tuple((p, n) for p, n in by_pool.items()
+                                                if n < largest)
         if not largest:
             return caps, total
         # under a total the total is the bound; without one each cap is (per bucket: the

@@ -35,7 +35,8 @@ class MetricContext:
     :param pool_names: pool labels, in the deployment's order.
     :param overrides: guard overrides in the tick, by rule (missing rules: 0).
     :param tpot_fit_ceiling: the guard's ``tpot_fit`` ceiling on the total after the tick's
-        decision (NaN: no guard, the rule off, or no ceiling).
+        decision (NaN: no guard, the rule off, or no ceiling); on two pools the largest
+        pool's (each pool's cap in force is its ``max_num_seqs``).
     :param tpot_fit_slowdown: the slowdown that rule applied to its TPOT prediction
         (calibration x spread; NaN: no guard or the rule off).
     """

@@ -99,11 +99,13 @@ class TpotFit:
         return self
 
     @classmethod
-    def for_deployment(cls, info: DeploymentInfo, tpot_s: float | None = None) -> TpotFit:
-        """The fit of the deployment's first pool, from its GPU and model profiles.
+    def for_deployment(cls, info: DeploymentInfo, tpot_s: float | None = None,
+                       pool: str | None = None) -> TpotFit:
+        """The fit of one pool of the deployment, from its GPU and model profiles.
 
         :param info: the deployment.
         :param tpot_s: the limit (default: the SLA's TPOT).
+        :param pool: the pool whose precision the fit models (default: the first).
         :raises ValueError: the GPU or model is not a known profile.
         """
         from rlbatch.profiles.specs import ProfileError, load_gpu, load_model
@@ -117,7 +119,8 @@ class TpotFit:
                 f"TPOT from the deployment's GPU and model profiles; {info.gpu!r} / "
                 f"{info.model!r} is not one ({e}): give profile names or files for --gpu "
                 f"and --model") from None
-        pool = info.pool_names[0] if info.pool_names else "fp16"
+        if pool is None:
+            pool = info.pool_names[0] if info.pool_names else "fp16"
         step_model = RooflineStepTimeModel(
             gpu, model, precision=pool_precision(pool),
             max_num_batched_tokens=info.max_num_batched_tokens,

@@ -45,11 +45,16 @@ class ControlAction:
         :data:`ANY_POOL`: the least-loaded engine of any pool.
     :param max_num_seqs: engine-wide cap on running sequences (vLLM ``--max-num-seqs``;
         live: the scheduler's ``max_num_active_reqs``); ``None`` keeps the engine default.
+    :param pool_max_num_seqs: ``(pool, cap)`` pairs that lower ``max_num_seqs`` for that
+        pool's engines (the guard's TPOT ceiling per precision: an FP8 engine meets a TPOT
+        at a bigger batch than an FP16 one); a pool not named runs at ``max_num_seqs``. Only
+        under a total.
     """
 
     caps: tuple[int | None, ...]
     pools: tuple[str, ...]
     max_num_seqs: int | None = None
+    pool_max_num_seqs: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.caps) != len(self.pools):
@@ -60,6 +65,14 @@ class ControlAction:
                 raise ValueError(f"bucket caps must be >= 1 or None, got {self.caps}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1 or None, got {self.max_num_seqs}")
+        if self.pool_max_num_seqs:
+            if self.max_num_seqs is None:
+                raise ValueError("pool_max_num_seqs lowers max_num_seqs per pool: it needs a "
+                                 "max_num_seqs")
+            pools = [p for p, _ in self.pool_max_num_seqs]
+            if len(set(pools)) != len(pools) or any(c < 1 for _, c in self.pool_max_num_seqs):
+                raise ValueError(f"pool_max_num_seqs must name each pool once with a cap >= 1, "
+                                 f"got {self.pool_max_num_seqs}")
 
 
 @dataclass(frozen=True)

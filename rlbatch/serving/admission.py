@@ -311,7 +311,8 @@ class Admission:
     def apply(self, action: ControlAction) -> None:
         """Put a (guarded) action in force.
 
-        :param action: caps, routes and engine-wide cap.
+        :param action: caps, routes, engine-wide cap and its per-pool ceilings.
+        :raises ValueError: the action does not fit the deployment's buckets or pools.
         """
         if len(action.caps) != len(self.buckets):
             raise ValueError(f"action has {len(action.caps)} caps, deployment has "
@@ -320,11 +321,17 @@ class Admission:
             if pool not in self.pools and pool != ANY_POOL:
                 raise ValueError(f"action routes to pool {pool!r}; deployment pools: "
                                  f"{sorted(self.pools)}")
+        ceilings = dict(action.pool_max_num_seqs)
+        for pool in ceilings:
+            if pool not in self.pools:
+                raise ValueError(f"action caps pool {pool!r}; deployment pools: "
+                                 f"{sorted(self.pools)}")
         self.caps = action.caps
         self.routes = action.pools
         if action.max_num_seqs is not None:
             for eng in self.engines:
-                eng.set_max_num_seqs(action.max_num_seqs)
+                eng.set_max_num_seqs(min(action.max_num_seqs,
+                                         ceilings.get(eng.pool, action.max_num_seqs)))
 
     def fork(self, engines: list[Engine]) -> Admission:
         """A copy of this admission layer over ``engines`` (forks of this one's engines, in
