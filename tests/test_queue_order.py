@@ -193,6 +193,9 @@ def test_an_sla_without_a_ttft_limit_has_no_late_requests() -> None:
     described = describe_action(action, ("a", "b", "c"), AdmissionDiscipline("deadline"))
     assert described == "a=8@fp16 b=8@fp16 c=8@fp16 order=deadline"
     assert describe_action(action, ("a", "b", "c")) == "a=8@fp16 b=8@fp16 c=8@fp16"
+    two = ControlAction((None,) * 3, ("any",) * 3, 96, (("fp16", 40),))
+    assert describe_action(two, ("a", "b", "c")) == (
+        "a=-@any b=-@any c=-@any max_num_seqs=96 max_num_seqs@fp16=40")
 
 
 def _prefill_engine() -> SimEngine:

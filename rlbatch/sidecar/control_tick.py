@@ -48,7 +48,8 @@ def fallback_guard_config(controller: Controller) -> GuardConfig:
 
 def describe_action(action: ControlAction, bucket_names: tuple[str, ...],
                     discipline: AdmissionDiscipline = PLAIN) -> str:
-    """One line: ``0-1k=32@fp16 1k-2k=8@fp8 ...`` (``order=deadline`` under deadline order).
+    """One line: ``0-1k=32@fp16 1k-2k=8@fp8 ...`` (``max_num_seqs@fp16=40`` for a pool's lower
+    cap, ``order=deadline`` under deadline order).
 
     :param action: the action.
     :param bucket_names: bucket labels.
@@ -58,6 +59,7 @@ def describe_action(action: ControlAction, bucket_names: tuple[str, ...],
              for name, cap, pool in zip(bucket_names, action.caps, action.pools, strict=True)]
     if action.max_num_seqs is not None:
         parts.append(f"max_num_seqs={action.max_num_seqs}")
+    parts += [f"max_num_seqs@{pool}={cap}" for pool, cap in action.pool_max_num_seqs]
     if discipline.order != "fifo":
         parts.append(f"order={discipline.order}")
     return " ".join(parts)

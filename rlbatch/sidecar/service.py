@@ -321,7 +321,8 @@ class Sidecar:
         def action_dict(action: ControlAction) -> dict[str, Any]:
             return {"caps": dict(zip(self.bucket_names, action.caps, strict=True)),
                     "pools": dict(zip(self.bucket_names, action.pools, strict=True)),
-                    "max_num_seqs": action.max_num_seqs}
+                    "max_num_seqs": action.max_num_seqs,
+                    "pool_max_num_seqs": dict(action.pool_max_num_seqs)}
 
         def discipline_dict(discipline: AdmissionDiscipline) -> dict[str, Any]:
             budget = discipline.kv_budget
