@@ -11,11 +11,18 @@ from hypothesis import strategies as st
 
 from policies.rules import GuardedController
 from rlbatch.buckets import Buckets
-from rlbatch.control.controllers import balanced_route, make_controller
+from rlbatch.control.controllers import make_controller
 from rlbatch.control.discipline import AdmissionDiscipline
 from rlbatch.control.guard import RULES, Guard, GuardConfig
 from rlbatch.control.pipeline import DecisionPipeline
-from rlbatch.control.types import SLA, ControlAction, DeploymentInfo, DeploymentStats, WindowStats
+from rlbatch.control.types import (
+    SLA,
+    ControlAction,
+    DeploymentInfo,
+    DeploymentStats,
+    WindowStats,
+    balanced_route,
+)
 from rlbatch.engine.stats import EngineStats
 from rlbatch.serving.admission import AdmissionConfig
 from rlbatch.serving.deployment import DeploymentSpec
@@ -75,11 +82,12 @@ proposals = st.one_of(
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(proposals, st.one_of(st.none(), deployment_stats())), min_size=1,
                 max_size=6), st.sampled_from(["proportional", "halve", "no_batching"]),
-       st.booleans())
+       st.booleans(), st.booleans())
 def test_guard_output_is_always_safe_and_deterministic(
         sequence: list[tuple[ControlAction | None, DeploymentStats | None]],
-        fallback: str, tpot_fit: bool) -> None:
-    config = GuardConfig(p99_fallback=fallback, tpot_fit=tpot_fit)  # type: ignore[arg-type]
+        fallback: str, tpot_fit: bool, per_pool: bool) -> None:
+    config = GuardConfig(p99_fallback=fallback, tpot_fit=tpot_fit,  # type: ignore[arg-type]
+                         tpot_fit_per_pool=per_pool)
     a, b = Guard(config), Guard(config)
     a.reset(INFO)
     b.reset(INFO)
@@ -100,6 +108,10 @@ def test_guard_output_is_always_safe_and_deterministic(
                                                     else max(config.max_cap, total))
         assert set(out_a.pools) <= {"fp16", "fp8"}
         assert all(o.rule in RULES for o in over_a)
+        # a pool's cap only lowers the total, for a pool of the deployment, with the rule on
+        assert all(pool in INFO.pools and total is not None and 1 <= cap < total
+                   for pool, cap in out_a.pool_max_num_seqs)
+        assert (per_pool and tpot_fit) or not out_a.pool_max_num_seqs
 
 
 def _stats(t: float, kv: float = 0.1, tpot_p99: float = 0.02, ttft_p99: float = 0.5,
