@@ -91,9 +91,10 @@ Rules, applied in this order to the proposed caps (each only ever lowers a cap):
     lowers it for the other pool's engines (``ControlAction.pool_max_num_seqs``). One ceiling
     holds the FP8 engine of an FP16 + FP8 deployment at the FP16 engine's limit: on RAG at
     2 s / 100 ms it runs 46-50 sequences where it meets the TPOT at 54-83, and the queue grows;
-    a ceiling per pool clears it (+8-12%), but loses 1-5% on code completion and up to 8% on
-    overloaded reports, where the fit is too loose and the FP16 ceiling's conservatism paid.
-    So it is off by default (BENCHMARKS.md section 24).
+    a ceiling per pool clears it (+8-12%). At a 50-ms TPOT it gains 14-22% on RAG and 10% on
+    reports; at 100 ms it loses 1-5% on code completion, where the fit is too loose and the
+    FP16 ceiling's conservatism paid; at 150 ms nothing moves. So it is off by default
+    (BENCHMARKS.md section 24).
     The prediction is scaled by how much slower than predicted the engines' iterations have
     run (``tpot_fit_calibrated``, :class:`~rlbatch.control.tpot_fit.FitCalibration`): the fit
     misses by a factor that depends on the traffic (on code completion the iterations run
