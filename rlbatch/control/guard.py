@@ -370,8 +370,7 @@ class Guard:
         key = (info.gpu, info.model, pools, info.max_num_batched_tokens,
                info.default_max_num_seqs, info.sla.tpot_s * self.config.tpot_fit_margin)
         if self._fit_key != key or not self._tpot_fits:
-            self._tpot_fits = {pool: TpotFit.for_deployment(info, info.sla.tpot_s
-                                                            * self.config.tpot_fit_margin, pool)
+            self._tpot_fits = {pool: TpotFit.for_deployment(info, key[-1], pool)
                                for pool in pools}
             self._fit_key = key
         return self._tpot_fits
@@ -438,11 +437,10 @@ class Guard:
 
         for o in overrides:
             self.state.counts[o.rule] += 1
-        caps = self._budget_caps(self._within_total(caps, total), total)
+        caps = self._caps_under(caps, total)
         self.state.ceiling_lowered = None
         if stats is not None and before_ceiling is not None:
-            unceiled = (self._budget_caps(self._within_total(*before_ceiling),
-                                          before_ceiling[1]), before_ceiling[1])
+            unceiled = (self._caps_under(*before_ceiling), before_ceiling[1])
             if unceiled != (caps, total):
                 self.state.ceiling_lowered = (tuple(caps), total, tuple(unceiled[0]),
                                               unceiled[1])
@@ -451,19 +449,16 @@ class Guard:
             (pool, cap) for pool, cap in self.state.tpot_fit_pool_totals if cap < total)
         return ControlAction(tuple(caps), tuple(pools), total, pool_ceilings), overrides
 
-    @staticmethod
-    def _within_total(caps: Caps, total: int | None) -> Caps:
-        # a bucket limit set against a total that a later rule lowered (an uncapped bucket
-        # trimmed to 170 of 171, then the ceiling at 169) is bound by the total alone
-        return list(caps) if total is None else [c if c is None else min(c, total)
-                                                 for c in caps]
-
-    def _budget_caps(self, caps: Caps, total: int | None) -> Caps:
-        if self.config.kv_budget is not None and total is not None:
-            # Uncapped buckets would go straight into the engines, past the KV budget: cap
-            # them at the total instead (the same limit, through admission and its budget).
-            return [total if c is None else c for c in caps]
-        return list(caps)
+    def _caps_under(self, caps: Caps, total: int | None) -> Caps:
+        """The bucket caps as given out under ``total``."""
+        if total is None:
+            return list(caps)
+        # Uncapped buckets would go straight into the engines, past the KV budget: with one,
+        # cap them at the total instead (the same limit, through admission and its budget).
+        # A limit set against a total that a later rule lowered (an uncapped bucket trimmed
+        # to 170 of 171, then the ceiling at 169) is bound by the total alone.
+        uncapped = total if self.config.kv_budget is not None else None
+        return [uncapped if c is None else min(c, total) for c in caps]
 
     # ------------------------------------------------------------------ rules
     def _sanitize(self, proposed: ControlAction | None,
@@ -621,15 +616,16 @@ class Guard:
         inputs = self._traffic.fit_inputs(len(stats.engines))
         by_pool: dict[str, int] = {}
         slowdowns: list[float] = []
+        spread = (spread_slowdown(inputs[2], cfg.tpot_fit_spread) if cfg.tpot_fit_spread > 0
+                  else None)
         for pool, fit in self._tpot_fits.items():
             slowdown = 1.0
             if cfg.tpot_fit_calibrated:
                 calibration = self._calibrations[pool]
                 calibration.update(fit, stats, inputs, tick, pool)
                 slowdown = calibration.slowdown
-            if cfg.tpot_fit_spread > 0:
-                slowdown = quantised_slowdown(slowdown * spread_slowdown(inputs[2],
-                                                                         cfg.tpot_fit_spread))
+            if spread is not None:
+                slowdown = quantised_slowdown(slowdown * spread)
             slowdowns.append(slowdown)
             # a pool where not even one sequence fits holds nothing (the module docstring)
             if largest := fit.largest_total(*inputs, cfg.max_total_cap, slowdown):

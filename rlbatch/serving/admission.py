@@ -317,14 +317,11 @@ class Admission:
         if len(action.caps) != len(self.buckets):
             raise ValueError(f"action has {len(action.caps)} caps, deployment has "
                              f"{len(self.buckets)} buckets")
-        for pool in action.pools:
-            if pool not in self.pools and pool != ANY_POOL:
-                raise ValueError(f"action routes to pool {pool!r}; deployment pools: "
-                                 f"{sorted(self.pools)}")
         ceilings = dict(action.pool_max_num_seqs)
-        for pool in ceilings:
+        for what, pool in [("routes to", p) for p in action.pools if p != ANY_POOL] + [
+                ("caps", p) for p in ceilings]:
             if pool not in self.pools:
-                raise ValueError(f"action caps pool {pool!r}; deployment pools: "
+                raise ValueError(f"action {what} pool {pool!r}; deployment pools: "
                                  f"{sorted(self.pools)}")
         self.caps = action.caps
         self.routes = action.pools
